@@ -1,0 +1,3 @@
+from distml.cli.main import main
+
+main()

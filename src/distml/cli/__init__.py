@@ -1,0 +1,1 @@
+"""The ``distml`` command line (typer + rich)."""

@@ -1,0 +1,197 @@
+"""The ``distml`` command."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from distml.config import (
+    ConfigError,
+    build_config,
+    load_config,
+    parse_mesh,
+    parse_nnodes,
+    parse_straggler,
+    parse_strategy,
+)
+from distml.launch.elastic import LaunchError, run_workers
+
+app = typer.Typer(
+    name="distml",
+    help="Distributed machine learning for PyTorch, from one laptop to a cluster.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+err = Console(stderr=True)
+
+
+def fail_usage(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def report_failure(what: str, exc: Exception) -> None:
+    err.print(f"[bold red]{what}:[/]", highlight=False, end=" ")
+    err.print(str(exc), highlight=False, markup=False, soft_wrap=True)
+
+
+def _default_nproc() -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 2
+
+
+def resolve_run_config(
+    *,
+    config_file: Path | None,
+    nproc: int | None,
+    nnodes: str | None,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+    max_restarts: int | None,
+    run_name: str | None,
+    runs_dir: Path | None,
+    strategy: str | None,
+    mesh: str | None,
+    timeout: float | None,
+    seed: int | None,
+    simulate_straggler: str | None,
+):
+    """Command-line flags over the config file over defaults, validated as one RunConfig."""
+    fields: dict[str, Any] = {}
+    if config_file is not None:
+        fields = load_config(config_file).model_dump(exclude_unset=True)
+    if nproc is not None:
+        fields["nproc"] = nproc
+    fields.setdefault("nproc", _default_nproc())
+    if nnodes is not None:
+        fields["min_nodes"], fields["max_nodes"] = parse_nnodes(nnodes)
+    flags = {
+        "node_rank": node_rank,
+        "rdzv_endpoint": rdzv_endpoint,
+        "max_restarts": max_restarts,
+        "run_name": run_name,
+        "runs_dir": runs_dir,
+        "timeout_s": timeout,
+        "seed": seed,
+    }
+    fields.update({k: v for k, v in flags.items() if v is not None})
+    if strategy is not None:
+        fields["strategy"] = {**fields.get("strategy", {}), **parse_strategy(strategy)}
+    if mesh is not None:
+        fields["mesh"] = parse_mesh(mesh)
+    if simulate_straggler is not None:
+        telemetry = dict(fields.get("telemetry", {}))
+        telemetry["simulate_straggler"] = parse_straggler(simulate_straggler)
+        fields["telemetry"] = telemetry
+    return build_config(**fields)
+
+
+Nproc = Annotated[int | None, typer.Option("--nproc", help="Worker processes on this node.")]
+RunName = Annotated[str | None, typer.Option("--run-name", help="Folder name under runs/.")]
+RunsDir = Annotated[Path | None, typer.Option("--runs-dir", help="Where run folders go.")]
+
+
+@app.command(
+    context_settings={
+        "allow_extra_args": True,
+        "ignore_unknown_options": True,
+        "allow_interspersed_args": False,
+    }
+)
+def run(
+    ctx: typer.Context,
+    script: Annotated[str, typer.Argument(help="The training script (or module with -m).")],
+    nproc: Nproc = None,
+    nnodes: Annotated[str | None, typer.Option(help="N or MIN:MAX nodes.")] = None,
+    node_rank: Annotated[int | None, typer.Option(help="Fixed rank of this node.")] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT of the rendezvous.")] = None,
+    max_restarts: Annotated[int | None, typer.Option(help="Restarts after a failure.")] = None,
+    run_name: RunName = None,
+    runs_dir: RunsDir = None,
+    strategy: Annotated[
+        str | None, typer.Option(help="ddp[:compression=fp16|bf16|powersgd,grad_accum=K,...]")
+    ] = None,
+    mesh: Annotated[str | None, typer.Option(help="Device mesh, e.g. dp=4.")] = None,
+    timeout: Annotated[
+        float | None, typer.Option(help="Seconds before a hung peer counts as failed.")
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help="Base random seed.")] = None,
+    simulate_straggler: Annotated[
+        str | None, typer.Option(help="RANK:FACTOR slows one rank's compute.")
+    ] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="A TOML run config.")] = None,
+    module: Annotated[bool, typer.Option("-m", "--module", help="SCRIPT is a module.")] = False,
+) -> None:
+    """Run SCRIPT [ARGS...] in worker processes, as torchrun would, with restarts and telemetry."""
+    try:
+        cfg = resolve_run_config(
+            config_file=config,
+            nproc=nproc,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            rdzv_endpoint=rdzv_endpoint,
+            max_restarts=max_restarts,
+            run_name=run_name,
+            runs_dir=runs_dir,
+            strategy=strategy,
+            mesh=mesh,
+            timeout=timeout,
+            seed=seed,
+            simulate_straggler=simulate_straggler,
+        )
+    except ConfigError as exc:
+        fail_usage(str(exc))
+    if not module and not Path(script).is_file():
+        fail_usage(f"no such script: {script}")
+    target = ["-m", script] if module else [script]
+    try:
+        run_workers(cfg, sys.executable, ("-u", *target, *ctx.args))
+    except LaunchError as exc:
+        report_failure("distml run failed", exc)
+        raise typer.Exit(1) from None
+    err.print(f"run folder: {cfg.run_dir}", highlight=False)
+
+
+@app.command()
+def demo(
+    nproc: Annotated[int, typer.Option(help="Worker processes.")] = 2,
+    epochs: Annotated[int, typer.Option(help="Passes over the training set.")] = 8,
+    run_name: RunName = None,
+    runs_dir: RunsDir = None,
+) -> None:
+    """Train a CNN on scikit-learn's digits with data parallelism, validate, checkpoint, report."""
+    from distml.cli.demo import run_demo
+
+    fields: dict[str, Any] = {"nproc": nproc}
+    if run_name is not None:
+        fields["run_name"] = run_name
+    if runs_dir is not None:
+        fields["runs_dir"] = runs_dir
+    if epochs < 1:
+        fail_usage(f"--epochs must be >= 1, got {epochs}")
+    try:
+        cfg = build_config(**fields)
+    except ConfigError as exc:
+        fail_usage(str(exc))
+    try:
+        summary = run_demo(cfg, epochs=epochs)
+    except LaunchError as exc:
+        report_failure("demo failed", exc)
+        raise typer.Exit(1) from None
+    err.print(f"report: {summary['report']}", highlight=False)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""Every user-facing setting, as typed data validated before any process starts.
+
+A run's resolved configuration is written to ``runs/<name>/config.toml`` and handed to the
+workers through the ``DISTML_CONFIG`` environment variable, so that every rank reads the same
+object the launcher validated.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+CONFIG_ENV = "DISTML_CONFIG"
+
+STRATEGIES = ("ddp",)
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+PRECISIONS = ("fp32", "bf16", "fp16")
+MESH_DIMS = ("dp", "fsdp", "tp", "pp")
+
+
+class ConfigError(ValueError):
+    """A setting is invalid. The message is meant for the user, as it is."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StrategyConfig(_Model):
+    """How the model is distributed. ``ddp``: synchronous data parallelism (all-reduce)."""
+
+    name: Literal["ddp"] = "ddp"
+    compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    powersgd_rank: Annotated[int, Field(ge=1)] = 2
+    powersgd_start_iter: Annotated[int, Field(ge=1)] = 2
+    grad_accum: Annotated[int, Field(ge=1)] = 1
+    mixed_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    bucket_cap_mb: Annotated[float, Field(gt=0)] = 25.0
+
+
+class TelemetryConfig(_Model):
+    """What every run measures. Energy is estimated from CPU time where no counter exists."""
+
+    straggler_factor: Annotated[float, Field(gt=1.0)] = 1.25
+    simulate_straggler: tuple[int, float] | None = None
+    watts_per_cpu_core: Annotated[float, Field(gt=0)] = 10.0
+    progress: bool = True
+
+
+class RunConfig(_Model):
+    """A whole run: where it goes, how many processes, what strategy, what is measured."""
+
+    run_name: str = Field(default_factory=lambda: time.strftime("run-%Y%m%d-%H%M%S"))
+    runs_dir: Path = Path("runs")
+    nproc: Annotated[int, Field(ge=1)] = 1
+    min_nodes: Annotated[int, Field(ge=1)] = 1
+    max_nodes: Annotated[int, Field(ge=1)] = 1
+    node_rank: Annotated[int, Field(ge=0)] | None = None
+    rdzv_endpoint: str | None = None
+    max_restarts: Annotated[int, Field(ge=0)] = 0
+    timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    seed: int = 0
+    mesh: dict[str, int] | None = None
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+
+    @field_validator("run_name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", v):
+            raise ValueError("use letters, digits, '.', '_' and '-' (it becomes a folder name)")
+        return v
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_endpoint(v)
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if self.max_nodes < self.min_nodes:
+            raise ValueError(f"--nnodes {self.min_nodes}:{self.max_nodes}: MAX is below MIN")
+        if self.max_nodes > 1 and self.rdzv_endpoint is None:
+            raise ValueError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT")
+        if self.node_rank is not None and self.node_rank >= self.max_nodes:
+            raise ValueError(f"--node-rank {self.node_rank} is not below --nnodes {self.max_nodes}")
+        if self.mesh is not None and self.min_nodes == self.max_nodes:
+            world = self.world_size
+            product = 1
+            for size in self.mesh.values():
+                product *= size
+            if product != world:
+                dims = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+                raise ValueError(
+                    f"mesh {dims} = {product} processes, but the world size is {world} "
+                    f"({self.max_nodes} node(s) x {self.nproc} process(es))"
+                )
+        if self.mesh is not None and any(k != "dp" and v > 1 for k, v in self.mesh.items()):
+            raise ValueError(
+                "this version of distml runs data parallelism only: use a mesh of dp=N"
+            )
+        straggler = self.telemetry.simulate_straggler
+        if straggler is not None and self.min_nodes == self.max_nodes:
+            rank, factor = straggler
+            if not 0 <= rank < self.world_size or factor < 1.0:
+                raise ValueError(
+                    f"--simulate-straggler {rank}:{factor}: RANK must be in [0, {self.world_size})"
+                    " and FACTOR >= 1"
+                )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.max_nodes * self.nproc
+
+    @property
+    def run_dir(self) -> Path:
+        return self.runs_dir / self.run_name
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"endpoint {endpoint!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4), as torchrun reads ``--nnodes``."""
+    m = re.fullmatch(r"(\d+)(?::(\d+))?", text.strip())
+    if not m:
+        raise ConfigError(f"--nnodes {text!r}: expected N or MIN:MAX")
+    lo = int(m.group(1))
+    hi = int(m.group(2) or lo)
+    return lo, hi
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"dp=2,tp=2"`` -> {"dp": 2, "tp": 2}."""
+    mesh: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, size = part.partition("=")
+        if not sep or name not in MESH_DIMS or not size.isdigit() or int(size) < 1:
+            raise ConfigError(
+                f"--mesh {text!r}: expected NAME=SIZE pairs with NAME in {', '.join(MESH_DIMS)}"
+            )
+        if name in mesh:
+            raise ConfigError(f"--mesh {text!r}: {name} is given twice")
+        mesh[name] = int(size)
+    if not mesh:
+        raise ConfigError(f"--mesh {text!r} names no dimension")
+    return mesh
+
+
+def parse_straggler(text: str) -> tuple[int, float]:
+    rank, sep, factor = text.partition(":")
+    try:
+        return int(rank), float(factor)
+    except ValueError:
+        raise ConfigError(f"--simulate-straggler {text!r}: expected RANK:FACTOR") from None
+
+
+def parse_strategy(text: str) -> dict[str, object]:
+    """``"ddp"`` or ``"ddp:compression=fp16,grad_accum=2"`` -> StrategyConfig fields."""
+    name, _, options = text.partition(":")
+    if name not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
+    fields: dict[str, object] = {"name": name}
+    for part in filter(None, (p.strip() for p in options.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ConfigError(f"--strategy {text!r}: option {part!r} is not KEY=VALUE")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def build_config(**fields: object) -> RunConfig:
+    """Validate settings into a RunConfig, turning pydantic's report into one ConfigError."""
+    try:
+        return RunConfig(**fields)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}: {msg}")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def save_config(config: RunConfig, path: Path) -> None:
+    data = config.model_dump(mode="json", exclude_none=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomli_w.dumps(data))
+
+
+def load_config(path: Path) -> RunConfig:
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from None
+    return build_config(**data)
+
+
+def config_from_env() -> RunConfig | None:
+    """The config the launcher wrote for this run, or None outside ``distml run``."""
+    path = os.environ.get(CONFIG_ENV)
+    return load_config(Path(path)) if path else None

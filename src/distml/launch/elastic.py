@@ -1,0 +1,139 @@
+"""Start worker processes with torch's elastic agent, and restart them when one fails.
+
+Restarts are done here, one fresh agent per attempt, rather than by the agent's own
+``max_restarts``: with gloo, the agent's restart reuses one rendezvous store across attempts and
+the restarted workers hang or are refused in ``connectFullMesh`` (pytorch issues 135712 and
+167288). A fresh agent brings a fresh store (a new port on a single host, a new run id on the
+rendezvous endpoint across hosts), so a restart works for any script, torchrun scripts included.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from distml.config import CONFIG_ENV, RunConfig, parse_endpoint, save_config
+
+ATTEMPT_ENV = "DISTML_ATTEMPT"
+log = logging.getLogger("distml.launch")
+
+
+@dataclass
+class WorkerFailure:
+    rank: int
+    exitcode: int
+    message: str
+
+
+class LaunchError(RuntimeError):
+    """Workers failed on the last attempt. ``failures`` names each failed rank."""
+
+    def __init__(self, failures: list[WorkerFailure], attempts: int):
+        self.failures = failures
+        self.attempts = attempts
+        lines = [f"workers failed after {attempts} attempt(s):"]
+        for f in failures:
+            lines.append(f"--- rank {f.rank} (exit code {f.exitcode}) ---\n{f.message}".rstrip())
+        super().__init__("\n".join(lines))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def launch_config(config: RunConfig, attempt: int) -> LaunchConfig:
+    """The elastic agent's settings for one attempt of a run."""
+    rdzv_configs: dict[str, Any] = {"timeout": int(max(config.timeout_s, 30))}
+    if config.rdzv_endpoint is None:
+        backend, endpoint = "c10d", f"127.0.0.1:{free_port()}"
+        local_addr = "127.0.0.1"
+    elif config.node_rank is not None:
+        # Static rendezvous: node ranks are fixed; each attempt moves to the next port.
+        host, port = parse_endpoint(config.rdzv_endpoint)
+        backend, endpoint = "static", f"{host}:{port + attempt}"
+        rdzv_configs["rank"] = config.node_rank
+        local_addr = None
+    else:
+        backend, endpoint = "c10d", config.rdzv_endpoint
+        local_addr = None
+    return LaunchConfig(
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        nproc_per_node=config.nproc,
+        run_id=f"{config.run_name}-attempt{attempt}",
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        local_addr=local_addr,
+        logs_specs=DefaultLogsSpecs(log_dir=str(config.run_dir / "logs" / f"attempt{attempt}")),
+        shutdown_timeout=5,
+    )
+
+
+@contextmanager
+def _worker_env(values: dict[str, str]) -> Iterator[None]:
+    """Workers inherit the agent's environment; set ours for the duration of a launch."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _failures(err: ChildFailedError) -> list[WorkerFailure]:
+    out = []
+    for rank, failure in sorted(err.failures.items()):
+        message = failure.message
+        if isinstance(message, dict):
+            info = message.get("extraInfo", {})
+            message = info.get("py_callstack") or message.get("message") or str(message)
+        out.append(WorkerFailure(rank=rank, exitcode=failure.exitcode, message=str(message)))
+    return out
+
+
+def run_workers(
+    config: RunConfig, entrypoint: Callable[..., Any] | str, args: tuple[Any, ...]
+) -> dict[int, Any]:
+    """Run ``entrypoint(*args)`` in every worker, restarting up to ``config.max_restarts`` times.
+
+    ``entrypoint`` is a picklable function or an executable path. Returns the workers' return
+    values on this node, by global rank.
+    """
+    config_path = config.run_dir / "config.toml"
+    save_config(config, config_path)
+    last: list[WorkerFailure] = []
+    for attempt in range(config.max_restarts + 1):
+        env = {CONFIG_ENV: str(config_path.resolve()), ATTEMPT_ENV: str(attempt)}
+        with _worker_env(env):
+            try:
+                return elastic_launch(launch_config(config, attempt), entrypoint)(*args)
+            except ChildFailedError as err:
+                last = _failures(err)
+        ranks = ", ".join(str(f.rank) for f in last)
+        if attempt < config.max_restarts:
+            print(
+                f"distml: rank(s) {ranks} failed on attempt {attempt}; restarting "
+                f"({attempt + 1}/{config.max_restarts})",
+                file=sys.stderr,
+            )
+    raise LaunchError(last, config.max_restarts + 1)

@@ -1,0 +1,1 @@
+"""Strategies applied to a plain model from outside."""

@@ -1,0 +1,290 @@
+"""The view a worker has of its run: who it is, where it computes, and the run's services.
+
+>>> import distml
+>>> def work(ctx):                       # runs in every worker
+...     model, opt = ctx.setup(model, opt)
+...     for x, y in ctx.dataloader(train, batch_size=32):
+...         ctx.train_step((x, y), lambda b: loss_fn(model(b[0]), b[1]))
+...     return ctx.finish(eval=ctx.evaluate(model, val))
+>>> distml.launch(work, nproc=2)  # doctest: +SKIP
+
+The same body runs under ``distml run`` (``Context.create()`` at the top of a script), under plain
+``torchrun``, and as one plain ``python`` process (a world of one).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils.data import Dataset
+
+from distml.config import RunConfig, config_from_env
+from distml.data.loader import ShardedLoader
+from distml.parallel.data import apply_data_parallel
+from distml.runtime.progress import Progress
+from distml.runtime.run_files import write_run_files
+from distml.telemetry.energy import open_energy_meter
+from distml.telemetry.recorder import StepRecorder
+from distml.train import checkpoint as ckpt
+from distml.train.evaluate import Metric, evaluate
+
+
+def _pick_device(local_rank: int) -> tuple[torch.device, str]:
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device, "cpu:gloo,cuda:nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def _split(batch: Any, parts: int) -> list[Any]:
+    """Split a tensor, or a tuple/list of tensors, into ``parts`` micro-batches along dim 0."""
+    if isinstance(batch, torch.Tensor):
+        return list(torch.tensor_split(batch, parts))
+    columns = [torch.tensor_split(t, parts) for t in batch]
+    return [type(batch)(col[i] for col in columns) for i in range(parts)]
+
+
+def _batch_len(batch: Any) -> int:
+    return len(batch if isinstance(batch, torch.Tensor) else batch[0])
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    return type(batch)(_to(t, device) for t in batch)
+
+
+class Context:
+    """Rank, world, device, mesh and seed of one worker, and the run it belongs to."""
+
+    def __init__(self, config: RunConfig, device: torch.device, mesh: DeviceMesh):
+        self.config = config
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = device
+        self.mesh = mesh
+        self.run_dir = config.run_dir
+        self.attempt = int(os.environ.get("DISTML_ATTEMPT", 0))
+        self.step = 0
+        energy = open_energy_meter(
+            device.type, device.index or 0, self.local_rank, config.telemetry.watts_per_cpu_core
+        )
+        self.recorder = StepRecorder(self.rank, device, energy)
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.loaders: list[ShardedLoader] = []
+        self._progress = Progress(enabled=self.rank == 0 and config.telemetry.progress)
+        self._started = time.perf_counter()
+        self._last_compute = 0.0
+        self._scaler: torch.amp.GradScaler | None = None
+
+    # -- creation ---------------------------------------------------------------------------
+    @classmethod
+    def create(cls, config: RunConfig | None = None) -> Context:
+        """Join the run: read the launcher's environment, start the process group, seed.
+
+        Without a launcher (plain ``python``), this process is a world of one.
+        """
+        config = (
+            config
+            or config_from_env()
+            or RunConfig(run_name=os.environ.get("DISTML_RUN_NAME") or RunConfig().run_name)
+        )
+        device, backend = _pick_device(int(os.environ.get("LOCAL_RANK", 0)))
+        timeout = timedelta(seconds=config.timeout_s)
+        if not dist.is_initialized():
+            if "WORLD_SIZE" in os.environ:
+                dist.init_process_group(backend, timeout=timeout, device_id=None)
+            else:
+                store = dist.HashStore()
+                dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        world = dist.get_world_size()
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+        seed_everything(config.seed)  # identical on every rank: replicas start identical
+        return cls(config, device, mesh)
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._progress.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- training ---------------------------------------------------------------------------
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Apply the run's strategy to ``model`` (synchronous data parallelism through DDP)."""
+        cfg = self.config.strategy
+        if cfg.mixed_precision == "fp16" and self.device.type != "cuda":
+            raise ValueError("fp16 mixed precision needs a CUDA device; use bf16 on the CPU")
+        model = model.to(self.device)
+        self.model = apply_data_parallel(model, cfg, self.device, self.recorder.comm_launched)
+        self.optimizer = optimizer
+        if cfg.mixed_precision == "fp16":
+            self._scaler = torch.amp.GradScaler("cuda")
+        seed_everything(self.config.seed + self.rank)  # from here on, ranks draw differently
+        return self.model, optimizer
+
+    def dataloader(
+        self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, **kwargs: Any
+    ) -> ShardedLoader:
+        """This rank's shard of ``dataset``, ``batch_size`` samples per step; resumable.
+
+        See :mod:`distml.data.sampler` for the rule on sizes that do not divide.
+        """
+        loader = ShardedLoader(
+            dataset,
+            batch_size,
+            self.rank,
+            self.world_size,
+            shuffle=shuffle,
+            seed=self.config.seed,
+            **kwargs,
+        )
+        self.loaders.append(loader)
+        return loader
+
+    def train_step(self, batch: Any, compute_loss: Callable[[Any], torch.Tensor]) -> float:
+        """One optimizer step on ``batch``; returns the batch's mean loss on this rank.
+
+        With ``grad_accum = K`` the batch is cut into K micro-batches whose gradients accumulate
+        locally (DDP ``no_sync``) and are all-reduced once, on the last: the same gradient as the
+        whole batch at once, with 1/K of the activation memory.
+        """
+        if self.model is None or self.optimizer is None:
+            raise RuntimeError("call ctx.setup(model, optimizer) before ctx.train_step")
+        cfg = self.config.strategy
+        rec = self.recorder
+        rec.begin_step()
+        self._simulate_straggler()
+        batch = _to(batch, self.device)
+        total = _batch_len(batch)
+        micro_batches = _split(batch, min(cfg.grad_accum, total))
+        loss_sum = torch.zeros((), device=self.device)
+        for i, micro in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with nullcontext() if last else self.model.no_sync():
+                with self._autocast():
+                    loss = compute_loss(micro)
+                weighted = loss * (_batch_len(micro) / total)
+                if self._scaler is not None:
+                    self._scaler.scale(weighted).backward()
+                else:
+                    weighted.backward()
+                loss_sum += weighted.detach().float()
+        backward_done = time.perf_counter()
+        if self._scaler is not None:
+            self._scaler.step(self.optimizer)
+            self._scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        value = loss_sum.item()
+        record = rec.end_step(self.step, value, total, backward_done)
+        self._last_compute = record.compute_s
+        self.step += 1
+        self._progress.update(self.step, value, total * self.world_size / max(record.step_s, 1e-9))
+        return value
+
+    def _autocast(self):
+        precision = self.config.strategy.mixed_precision
+        if precision == "fp32":
+            return nullcontext()
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _simulate_straggler(self) -> None:
+        straggler = self.config.telemetry.simulate_straggler
+        if straggler is not None and straggler[0] == self.rank and self._last_compute > 0:
+            # Stretch this rank's compute to FACTOR x its unslowed time (the last step's, less the
+            # sleep it already had), before its gradients can reach the all-reduce.
+            factor = straggler[1]
+            time.sleep(self._last_compute * (factor - 1) / factor)
+
+    # -- validation -------------------------------------------------------------------------
+    def evaluate(
+        self,
+        model: nn.Module,
+        dataset: Dataset,
+        metrics: Mapping[str, Metric] | list[str] | None = None,
+        batch_size: int = 256,
+    ) -> dict[str, float]:
+        """Exact dataset-wide metric means (default: accuracy and loss), on every rank."""
+        module = model.module if hasattr(model, "module") else model
+        return evaluate(module, dataset, metrics, device=self.device, batch_size=batch_size)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoint"
+
+    def _extra_state(self) -> dict[str, torch.Tensor]:
+        extra = {"step": torch.tensor(self.step), f"rng_rank{self.rank}": torch.get_rng_state()}
+        for i, loader in enumerate(self.loaders):
+            state = loader.state_dict()
+            extra[f"loader{i}"] = torch.tensor([state["epoch"], state["position"]])
+        return extra
+
+    def save_checkpoint(self) -> Path:
+        """Save model, optimizer, step, loader positions and RNG states (all ranks call this)."""
+        return ckpt.save_checkpoint(
+            self.checkpoint_dir, self.step, self._module(), self.optimizer, self._extra_state()
+        )
+
+    def load_checkpoint(self, path: Path | None = None) -> bool:
+        """Resume from ``path`` or this run's latest checkpoint; False if there is none."""
+        path = path or ckpt.latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            return False
+        extra = self._extra_state()
+        keys = ckpt.checkpoint_keys(path)
+        extra = {k: v for k, v in extra.items() if f"extra.{k}" in keys}  # another world size
+        extra = ckpt.load_checkpoint(path, self._module(), self.optimizer, extra)
+        self.step = int(extra["step"])
+        if f"rng_rank{self.rank}" in extra:
+            torch.set_rng_state(extra[f"rng_rank{self.rank}"])
+        for i, loader in enumerate(self.loaders):
+            if f"loader{i}" in extra:
+                epoch, position = extra[f"loader{i}"].tolist()
+                loader.load_state_dict({"epoch": epoch, "position": position})
+        return True
+
+    def _module(self) -> nn.Module:
+        if self.model is None:
+            raise RuntimeError("call ctx.setup(model, optimizer) first")
+        return self.model.module if hasattr(self.model, "module") else self.model
+
+    # -- the end ----------------------------------------------------------------------------
+    def finish(self, eval: dict[str, float] | None = None) -> dict[str, Any]:
+        """Gather every rank's measurements and write the run directory. Returns the summary."""
+        self._progress.stop()
+        return write_run_files(self, eval or {})
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass

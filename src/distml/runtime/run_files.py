@@ -1,0 +1,89 @@
+"""Writing ``runs/<name>/``: metrics.jsonl, summary.json, report.html and the exported model.
+
+Every rank takes part in the gather (a collective); rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.table import Table
+
+from distml.runtime.collectives import all_gather_json
+from distml.telemetry.report import write_report
+from distml.telemetry.summary import summarize
+from distml.train.checkpoint import export_safetensors, param_norm
+
+if TYPE_CHECKING:
+    from distml.runtime.context import Context
+
+
+def write_run_files(ctx: Context, eval_metrics: dict[str, float]) -> dict[str, Any]:
+    records = [r.to_json() for r in ctx.recorder.records]
+    per_rank = all_gather_json(records, ctx.device)
+    summary: dict[str, Any] = {
+        "run_name": ctx.config.run_name,
+        "world_size": ctx.world_size,
+        "strategy": ctx.config.strategy.model_dump(),
+        "mesh": {"dp": ctx.world_size},
+        "attempt": ctx.attempt,
+        "wall_s": time.perf_counter() - ctx._started,
+        **summarize(per_rank, ctx.config.telemetry.straggler_factor),
+        "eval": eval_metrics,
+        "energy_source": ctx.recorder.energy.source,
+        "param_norm": None,
+        "export": None,
+    }
+    if ctx.model is not None:
+        summary["param_norm"] = param_norm(ctx._module())
+    if ctx.rank != 0:
+        return summary
+    run_dir = ctx.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if ctx.model is not None:
+        summary["export"] = str(export_safetensors(ctx._module(), run_dir / "model.safetensors"))
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for records in per_rank:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary["report"] = str(write_report(run_dir, per_rank, summary))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if ctx.config.telemetry.progress:
+        print_summary(summary)
+    return summary
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    table = Table(title=f"distml run {summary['run_name']}", show_header=False)
+    table.add_row("world size", str(summary["world_size"]))
+    table.add_row("steps", str(summary["steps"]))
+    if summary["final_loss"] is not None:
+        table.add_row("final loss", f"{summary['final_loss']:.4f}")
+    for name, value in summary["eval"].items():
+        table.add_row(f"eval {name}", f"{value:.4f}" if isinstance(value, float) else str(value))
+    table.add_row("samples/s", f"{summary['samples_per_s']:,.0f}")
+    table.add_row(
+        "compute / comm / wait (s)",
+        "{:.2f} / {:.2f} / {:.2f}".format(
+            summary["compute_s"], summary["comm_s"], summary["sync_wait_s"]
+        ),
+    )
+    for name, n in summary["comm_bytes"].items():
+        table.add_row(f"{name} payload per rank", _fmt_bytes(n))
+    table.add_row("energy", f"{summary['energy_j']:.1f} J ({summary['energy_source']})")
+    stragglers = ", ".join(f"rank {s['rank']} ({s['ratio']:.2f}x)" for s in summary["stragglers"])
+    table.add_row("stragglers", stragglers or "none")
+    table.add_row("report", summary.get("report", ""))
+    Console(stderr=True).print(table)

@@ -1,0 +1,1 @@
+"""Measuring the costs of distribution: communication, synchronisation wait, energy."""

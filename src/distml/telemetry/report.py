@@ -1,0 +1,196 @@
+"""A self-contained HTML report of one training run: plots as base64 PNGs, inline CSS, no links.
+
+Figures are drawn on ``matplotlib.figure.Figure`` objects directly (Agg canvas, no pyplot), so
+writing a report touches no global plotting state and needs no display.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+Records = list[list[dict[str, Any]]]
+
+_CSS = """
+body { font-family: sans-serif; margin: 2em; color: #222; }
+table { border-collapse: collapse; margin: 1em 0; }
+th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: right; }
+th { background: #f0f0f0; } td:first-child, th:first-child { text-align: left; }
+img { max-width: 100%; display: block; margin: 1em 0; }
+"""
+
+
+def _esc(value: Any) -> str:
+    return html.escape(str(value))
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_fmt(v)}" for k, v in value.items()) or "-"
+    return str(value)
+
+
+def _by_step(
+    per_rank: Records, key: str, reduce: Callable[[list[float]], float]
+) -> tuple[list[int], list[float]]:
+    """Steps present in any rank, and ``reduce`` of ``key`` over the ranks at each step."""
+    values: dict[int, list[float]] = defaultdict(list)
+    for records in per_rank:
+        for rec in records:
+            if rec.get(key) is not None:
+                values[int(rec["step"])].append(float(rec[key]))
+    steps = sorted(values)
+    return steps, [reduce(values[s]) for s in steps]
+
+
+def _png(fig: Figure) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    data = base64.b64encode(buf.getvalue()).decode("ascii")
+    return f'<img src="data:image/png;base64,{data}" alt="{_esc(fig.get_label())}">'
+
+
+def _figure(label: str, title: str, xlabel: str, ylabel: str) -> tuple[Figure, Any]:
+    fig = Figure(figsize=(7, 3.5))
+    fig.set_label(label)
+    ax = fig.add_subplot()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def _plots(per_rank: Records, summary: dict[str, Any]) -> list[str]:
+    """The five plots as ``<img>`` tags; none when no rank recorded a step."""
+    if not any(per_rank):
+        return []
+    imgs = []
+
+    fig, ax = _figure("loss", "Loss", "step", "loss")
+    steps, mean = _by_step(per_rank, "loss", lambda v: sum(v) / len(v))
+    ax.plot(steps, mean, label="mean over ranks")
+    steps0, loss0 = _by_step(per_rank[:1], "loss", lambda v: v[0])
+    ax.plot(steps0, loss0, label="rank 0", linestyle="--", alpha=0.7)
+    ax.legend()
+    imgs.append(_png(fig))
+
+    fig, ax = _figure("throughput", "Throughput (all ranks)", "step", "samples/s")
+    rates: dict[int, float] = defaultdict(float)
+    for records in per_rank:
+        for rec in records:
+            if rec.get("step_s"):
+                rates[int(rec["step"])] += rec.get("samples", 0) / rec["step_s"]
+    ax.plot(sorted(rates), [rates[s] for s in sorted(rates)])
+    imgs.append(_png(fig))
+
+    fig, ax = _figure("step_time", "Step time per rank", "step", "seconds")
+    for rank, records in enumerate(per_rank):
+        if records:
+            ax.plot([r["step"] for r in records], [r["step_s"] for r in records], label=f"{rank}")
+    ax.legend(title="rank", fontsize="small")
+    imgs.append(_png(fig))
+
+    fig, ax = _figure("time_split", "Time split per rank (totals)", "rank", "seconds")
+    ranks = list(range(len(per_rank)))
+    bottom = [0.0] * len(ranks)
+    for key, name in (
+        ("compute_s", "compute"),
+        ("comm_s", "communication"),
+        ("sync_wait_s", "sync wait"),
+    ):
+        totals = [sum(r.get(key, 0.0) for r in records) for records in per_rank]
+        ax.bar(ranks, totals, bottom=bottom, label=name)
+        bottom = [b + t for b, t in zip(bottom, totals, strict=True)]
+    ax.set_xticks(ranks)
+    ax.legend()
+    imgs.append(_png(fig))
+
+    source = summary.get("energy_source", "unknown")
+    fig, ax = _figure("energy", f"Energy per step (source: {source})", "step", "joules")
+    steps, energy = _by_step(per_rank, "energy_j", sum)
+    ax.plot(steps, energy)
+    imgs.append(_png(fig))
+    return imgs
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{_esc(h)}</th>" for h in header)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{_esc(_fmt(c))}</td>" for c in row) + "</tr>" for row in rows
+    )
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+_KEY_FIGURES = (
+    "world_size",
+    "strategy",
+    "steps",
+    "final_loss",
+    "eval",
+    "samples_per_s",
+    "comm_bytes",
+    "comm_s",
+    "sync_wait_s",
+    "compute_s",
+    "energy_j",
+    "energy_source",
+    "param_norm",
+    "export",
+)
+_RANK_COLUMNS = (
+    "rank",
+    "step_s",
+    "compute_s",
+    "comm_s",
+    "sync_wait_s",
+    "energy_j",
+    "peak_mem_bytes",
+)
+
+
+def write_report(run_dir: Path, per_rank: Records, summary: dict[str, Any]) -> Path:
+    """Write run_dir/'report.html' and return its path."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    name = summary.get("run_name", run_dir.name)
+    parts = [
+        f"<h1>Run {_esc(name)}</h1>",
+        "<h2>Summary</h2>",
+        _table(["figure", "value"], [[k, summary[k]] for k in _KEY_FIGURES if k in summary]),
+        "<h2>Stragglers</h2>",
+    ]
+    stragglers = summary.get("stragglers") or []
+    if stragglers:
+        rows = [[s.get("rank"), s.get("median_compute_s"), s.get("ratio")] for s in stragglers]
+        parts.append(_table(["rank", "median compute (s)", "ratio to median"], rows))
+    else:
+        parts.append("<p>None.</p>")
+    ranks = summary.get("ranks") or []
+    if ranks:
+        parts.append("<h2>Per rank</h2>")
+        rows = [[r.get(c) for c in _RANK_COLUMNS] for r in ranks]
+        parts.append(_table(list(_RANK_COLUMNS), rows))
+    plots = _plots(per_rank, summary)
+    parts.append("<h2>Plots</h2>")
+    parts.extend(plots or ["<p>No steps were recorded.</p>"])
+    doc = (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{_esc(name)}</title><style>{_CSS}</style></head>\n<body>\n"
+        + "\n".join(parts)
+        + "\n</body></html>\n"
+    )
+    path = run_dir / "report.html"
+    path.write_text(doc, encoding="utf-8")
+    return path

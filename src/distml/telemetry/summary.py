@@ -1,0 +1,85 @@
+"""From every rank's step records to the run's summary: waits, stragglers, totals.
+
+Synchronisation wait is derived, not sampled: in synchronous data parallelism the gradient
+all-reduce of step t cannot finish on any rank before the slowest rank has computed its gradients,
+so rank r waits ``max_r' compute(t, r') - compute(t, r)`` of its exposed communication time; the
+rest of the exposed time is communication proper.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+
+def attribute_waits(per_rank: list[list[dict[str, Any]]]) -> None:
+    """Split each record's ``exposed_comm_s`` into ``sync_wait_s`` and ``comm_s``, in place."""
+    steps = min((len(r) for r in per_rank), default=0)
+    for t in range(steps):
+        slowest = max(records[t]["compute_s"] for records in per_rank)
+        for records in per_rank:
+            rec = records[t]
+            wait = min(slowest - rec["compute_s"], rec["exposed_comm_s"])
+            rec["sync_wait_s"] = wait
+            rec["comm_s"] = rec["exposed_comm_s"] - wait
+
+
+def find_stragglers(per_rank: list[list[dict[str, Any]]], factor: float) -> list[dict[str, Any]]:
+    """Ranks whose median compute time exceeds ``factor`` x the median over all ranks."""
+    medians = [
+        statistics.median(r["compute_s"] for r in records) if records else 0.0
+        for records in per_rank
+    ]
+    if not medians:
+        return []
+    overall = statistics.median(medians)
+    return [
+        {"rank": rank, "median_compute_s": m, "ratio": m / overall}
+        for rank, m in enumerate(medians)
+        if overall > 0 and m > factor * overall
+    ]
+
+
+def _sum_by_key(dicts: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = defaultdict(int)
+    for d in dicts:
+        for k, v in d.items():
+            total[k] += v
+    return dict(total)
+
+
+def summarize(per_rank: list[list[dict[str, Any]]], straggler_factor: float) -> dict[str, Any]:
+    """Totals over the run. Byte counts are per rank (rank 0's); times are sums over steps."""
+    attribute_waits(per_rank)
+    steps = min((len(r) for r in per_rank), default=0)
+    rank0 = per_rank[0][:steps] if per_rank else []
+    train_s = sum(max(records[t]["step_s"] for records in per_rank) for t in range(steps))
+    samples = sum(rec["samples"] for records in per_rank for rec in records[:steps])
+    ranks = []
+    for rank, records in enumerate(per_rank):
+        ranks.append(
+            {
+                "rank": rank,
+                "step_s": sum(r["step_s"] for r in records),
+                "compute_s": sum(r["compute_s"] for r in records),
+                "comm_s": sum(r["comm_s"] for r in records),
+                "sync_wait_s": sum(r["sync_wait_s"] for r in records),
+                "energy_j": sum(r["energy_j"] for r in records),
+                "peak_mem_bytes": max((r["peak_mem_bytes"] for r in records), default=0),
+            }
+        )
+    return {
+        "steps": steps,
+        "final_loss": rank0[-1]["loss"] if rank0 else None,
+        "train_s": train_s,
+        "samples_per_s": samples / train_s if train_s > 0 else 0.0,
+        "comm_bytes": _sum_by_key([r["comm_bytes"] for r in rank0]),
+        "wire_bytes": _sum_by_key([r["wire_bytes"] for r in rank0]),
+        "comm_s": sum(r["comm_s"] for r in rank0),
+        "sync_wait_s": sum(r["sync_wait_s"] for r in rank0),
+        "compute_s": sum(r["compute_s"] for r in rank0),
+        "energy_j": sum(r["energy_j"] for r in ranks),
+        "stragglers": find_stragglers(per_rank, straggler_factor),
+        "ranks": ranks,
+    }

@@ -1,0 +1,1 @@
+"""Training helpers: checkpoints, export, distributed evaluation."""

@@ -1,0 +1,125 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP), and a safetensors export.
+
+A checkpoint holds the model, the optimizer, the step, the data-loader position and every rank's
+RNG state, all as tensors: no Python object is pickled into it. DCP's metadata file is a pickle;
+it is read back with an unpickler that admits only DCP's own metadata classes, so loading never
+runs code from the file. Each save goes to ``step_<N>/`` and becomes current only when complete
+(the ``latest`` file is replaced atomically afterwards), so a crash during a save leaves the
+previous checkpoint in force.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_model
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+_SAFE_TORCH_NAMES = {"Size", "device"} | {
+    name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module.startswith("torch.distributed.checkpoint.")
+            or (module == "torch" and name in _SAFE_TORCH_NAMES)
+            or (module == "collections" and name == "OrderedDict")
+            or (module == "builtins" and name in {"set", "frozenset", "slice"})
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}")
+        return super().find_class(module, name)
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """A DCP reader whose metadata load admits only DCP's own classes."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = Path(self.path) / ".metadata"
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    marker = Path(root) / "latest"
+    if not marker.exists():
+        return None
+    path = Path(root) / marker.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, torch.Tensor],
+    keep: int = 2,
+) -> Path:
+    """Save on every rank (a collective); returns the new checkpoint's folder."""
+    root = Path(root)
+    path = root / f"step_{step:08d}"
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd, "extra": extra}, checkpoint_id=path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = root / "latest.tmp"
+        tmp.write_text(path.name)
+        os.replace(tmp, root / "latest")
+        for old in sorted(root.glob("step_*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return path
+
+
+def checkpoint_keys(path: Path) -> set[str]:
+    """The flattened keys a checkpoint holds, e.g. ``extra.step``."""
+    return set(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def load_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Load in place on every rank (a collective). ``extra`` names the tensors to read back."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "extra": extra}
+    dcp.load(state, storage_reader=SafeFileSystemReader(path))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    return state["extra"]
+
+
+def export_safetensors(model: nn.Module, path: Path) -> Path:
+    """The full, unsharded parameters and buffers of ``model`` in one safetensors file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(path))
+    return path
+
+
+def param_norm(model: nn.Module) -> float:
+    """float64 L2 norm of all parameters: one number to compare two runs by."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        total += p.detach().to("cpu", torch.float64).pow(2).sum()
+    return float(total.sqrt())

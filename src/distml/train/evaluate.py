@@ -1,0 +1,80 @@
+"""Distributed validation whose result equals single-process evaluation exactly.
+
+Each rank evaluates its own contiguous block of the dataset (:func:`distml.data.eval_shard`:
+nothing padded, nothing dropped), sums per-sample metric values in float64, and one all-reduce of
+the sums and the sample count gives every rank the exact dataset-wide means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from distml.data.sampler import eval_shard
+
+Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """1.0 for each sample whose arg-max class is the target, else 0.0."""
+    return (output.argmax(dim=-1) == target).to(torch.float64)
+
+
+def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-sample cross-entropy loss."""
+    return F.cross_entropy(output.float(), target, reduction="none")
+
+
+METRICS: dict[str, Metric] = {"accuracy": accuracy, "loss": cross_entropy}
+
+
+def resolve_metrics(metrics: Mapping[str, Metric] | list[str] | None) -> dict[str, Metric]:
+    if metrics is None:
+        return dict(METRICS)
+    if isinstance(metrics, Mapping):
+        return dict(metrics)
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        raise ValueError(f"unknown metric(s) {unknown}; built in: {sorted(METRICS)}")
+    return {m: METRICS[m] for m in metrics}
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    dataset: Dataset,
+    metrics: Mapping[str, Metric] | list[str] | None = None,
+    *,
+    device: torch.device,
+    batch_size: int = 256,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """Means of per-sample ``metrics`` over the whole ``dataset``, on every rank.
+
+    A metric maps (model output, target) of a batch to one value per sample.
+    """
+    fns = resolve_metrics(metrics)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    shard = Subset(dataset, eval_shard(dataset, rank, world))
+    totals = torch.zeros(len(fns) + 1, dtype=torch.float64, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        for x, y in DataLoader(shard, batch_size=batch_size):
+            x, y = x.to(device), y.to(device)
+            out = model(x)
+            for i, fn in enumerate(fns.values()):
+                totals[i] += fn(out, y).to(torch.float64).sum()
+            totals[-1] += len(y)
+    finally:
+        model.train(was_training)
+    dist.all_reduce(totals, group=group)
+    count = totals[-1].item()
+    result = {name: totals[i].item() / count for i, name in enumerate(fns)}
+    result["samples"] = int(count)
+    return result
