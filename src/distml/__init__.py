@@ -1,5 +1,6 @@
 """distml: distributed machine learning for PyTorch, from one laptop to a cluster."""
 
+from distml import metrics
 from distml.config import RunConfig
 from distml.launch import LaunchError, launch
 from distml.runtime.context import Context
@@ -12,4 +13,4 @@ def init(config: RunConfig | None = None) -> Context:
     return Context.create(config)
 
 
-__all__ = ["Context", "LaunchError", "RunConfig", "init", "launch", "__version__"]
+__all__ = ["metrics", "Context", "LaunchError", "RunConfig", "init", "launch", "__version__"]

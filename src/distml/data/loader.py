@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from distml.data.sampler import ShardedBatchSampler
@@ -32,6 +33,9 @@ class ShardedLoader:
         self.sampler = ShardedBatchSampler(
             len(dataset), batch_size, rank, world_size, shuffle=shuffle, seed=seed
         )
+        # A generator of its own: DataLoader draws a seed each time an iterator is made, and from
+        # the global RNG that would shift every later random number (dropout...) after a resume.
+        loader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
         self._loader = DataLoader(
             dataset, batch_sampler=self.sampler, num_workers=num_workers, **loader_kwargs
         )

@@ -2,8 +2,9 @@
 
 A checkpoint holds the model, the optimizer, the step, the data-loader position and every rank's
 RNG state, all as tensors: no Python object is pickled into it. DCP's metadata file is a pickle;
-it is read back with an unpickler that admits only DCP's own metadata classes, so loading never
-runs code from the file. Each save goes to ``step_<N>/`` and becomes current only when complete
+it is read back with an unpickler that admits only DCP's own metadata classes, and the few
+non-tensor values (an optimizer's hyperparameters) with ``torch.load(weights_only=True)``, so
+loading never runs code from the file. Each save goes to ``step_<N>/`` and becomes current only when complete
 (the ``latest`` file is replaced atomically afterwards), so a crash during a save leaves the
 previous checkpoint in force.
 """
@@ -22,6 +23,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_model
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 _SAFE_TORCH_NAMES = {"Size", "device"} | {
@@ -34,6 +38,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         allowed = (
             module.startswith("torch.distributed.checkpoint.")
             or (module == "torch" and name in _SAFE_TORCH_NAMES)
+            or (module == "torch.serialization" and name == "_get_layout")  # a name lookup
+            or (module == "pathlib" and name in {"PosixPath", "PurePosixPath"})
             or (module == "collections" and name == "OrderedDict")
             or (module == "builtins" and name in {"set", "frozenset", "slice"})
         )
@@ -54,6 +60,18 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner reads non-tensor items (an optimizer's lr, betas...) with
+    ``torch.load(weights_only=False)``; this one admits only plain data."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -102,7 +120,7 @@ def load_checkpoint(
     """Load in place on every rank (a collective). ``extra`` names the tensors to read back."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "extra": extra}
-    dcp.load(state, storage_reader=SafeFileSystemReader(path))
+    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
