@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -52,21 +53,20 @@ def load_now() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
-def _cpu_ticks() -> tuple[int, int]:
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return sum(fields[:8]) - idle, sum(fields[:8])
+def busy_cpu_s() -> float:
+    """CPU seconds all cores have been busy since boot (/proc/stat); 0 where unavailable."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    except (OSError, ValueError):
+        return 0.0
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle, iowait
 
 
 def busy_fraction(seconds: float = 1.0) -> float:
-    """Share of all cores busy over ``seconds`` (from /proc/stat); 0 where unavailable."""
-    try:
-        busy0, total0 = _cpu_ticks()
-        time.sleep(seconds)
-        busy1, total1 = _cpu_ticks()
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return (busy1 - busy0) / max(total1 - total0, 1)
+    """Share of all cores busy over ``seconds``."""
+    before = busy_cpu_s()
+    time.sleep(seconds)
+    return (busy_cpu_s() - before) / (seconds * (os.cpu_count() or 1))
 
 
 def wait_until_quiet(threshold: float, max_wait_s: float) -> float:
@@ -76,6 +76,26 @@ def wait_until_quiet(threshold: float, max_wait_s: float) -> float:
     while busy > threshold and time.monotonic() < deadline:
         busy = busy_fraction()
     return busy
+
+
+def add_noise_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quiet", type=float, default=0.25,
+                        help="before each run, wait until under this share of the CPUs is busy")
+    parser.add_argument("--max-wait", type=float, default=60.0, help="seconds; 0: do not wait")
+    parser.add_argument("--max-foreign", type=float, default=0.05,
+                        help="redo a run if other processes took more than this CPU share")
+    parser.add_argument("--retries", type=int, default=2, help="redos per run, at most")
+
+
+def measured(run: Callable[[], dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """``run()`` once the machine is quiet, again while other work disturbed it (see above)."""
+    for attempt in range(args.retries + 1):
+        busy = wait_until_quiet(args.quiet, args.max_wait) if args.max_wait > 0 else float("nan")
+        res = run()
+        res.update(busy_before=busy, attempts=attempt + 1)
+        if res["foreign_share"] <= args.max_foreign:
+            break
+    return res
 
 
 def random_batches(
@@ -95,23 +115,30 @@ def timed_steps(
 ) -> dict[str, Any]:
     """Run ``warmup`` untimed steps, a barrier, then ``steps`` timed ones (perf_counter).
 
-    Returns the wall time of the timed steps on this rank and each step's duration.
+    Every rank calls it. Returns this rank's wall time of the timed steps, each step's duration,
+    each rank's CPU seconds per wall second (all its threads; ~1 for an undisturbed one-thread
+    worker), and ``foreign_share``: the share of the machine's CPU time over the timed steps
+    that went to other processes (other work on the machine, the launcher's agent): the noise.
     """
     for i in range(warmup):
         step(batches[i % len(batches)])
-    if dist.is_initialized():
-        dist.barrier()
-    cpu0 = time.process_time()
+    dist.barrier()
+    busy0, cpu0 = busy_cpu_s(), time.process_time()
     marks = [time.perf_counter()]
     for i in range(steps):
         step(batches[(warmup + i) % len(batches)])
         marks.append(time.perf_counter())
+    cpu, busy = time.process_time() - cpu0, busy_cpu_s() - busy0
     wall = marks[-1] - marks[0]
-    durations = [b - a for a, b in zip(marks[:-1], marks[1:], strict=True)]
-    # CPU seconds of this process (all threads) per wall second: ~1 for an undisturbed
-    # one-thread worker; well below 1 when something else took the core.
-    cpu_per_wall = (time.process_time() - cpu0) / wall
-    return {"wall_s": wall, "step_s": durations, "cpu_per_wall": cpu_per_wall}
+    cpus: list[float] = [0.0] * dist.get_world_size()
+    dist.all_gather_object(cpus, cpu)  # after the clock stopped
+    foreign = max(0.0, busy - sum(cpus)) / (wall * (os.cpu_count() or 1))
+    return {
+        "wall_s": wall,
+        "step_s": [b - a for a, b in zip(marks[:-1], marks[1:], strict=True)],
+        "cpu_per_wall": [c / wall for c in cpus],
+        "foreign_share": foreign,
+    }
 
 
 def median(values: Sequence[float]) -> float:

@@ -14,7 +14,10 @@ median throughput of each and their ratio. Goal: distml / plain >= 0.97.
 from __future__ import annotations
 
 import argparse
+import gc
 import socket
+import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +25,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _common import (
+    add_noise_args,
     machine_info,
+    measured,
     median,
     print_table,
     random_batches,
     scratch_dir,
     spread,
     timed_steps,
-    wait_until_quiet,
     write_json,
 )
 from torch import nn
@@ -56,11 +60,20 @@ def plain_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     """The plain peer: what one would write by hand with torch.distributed and DDP."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    result = _plain_train(cfg)
+    gc.collect()
+    # DDP is gone by now. Had its reducer held the group's last reference, destroying the group
+    # here could deadlock: gloo's destructor, run with the GIL held, waits for a worker thread
+    # that is freeing the last collective's tensors and needs the GIL (pytorch issue 56297).
+    dist.destroy_process_group()
+    return result
+
+
+def _plain_train(cfg: dict[str, Any]) -> dict[str, Any]:
     model = DDP(make_model(cfg["sizes"]))
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
     sizes = cfg["sizes"]
-    batches = random_batches(16, cfg["batch"], (sizes[0],), sizes[-1], 1000 + rank)
+    batches = random_batches(16, cfg["batch"], (sizes[0],), sizes[-1], 1000 + dist.get_rank())
 
     def step(batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         x, y = batch
@@ -70,9 +83,7 @@ def plain_worker(cfg: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    result = timed_steps(step, batches, cfg["warmup"], cfg["steps"])
-    dist.destroy_process_group()
-    return result
+    return timed_steps(step, batches, cfg["warmup"], cfg["steps"])
 
 
 def distml_worker(ctx: distml.Context, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -103,21 +114,21 @@ def run_plain(cfg: dict[str, Any], nproc: int, tmp: Path, i: int) -> dict[str, A
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
-        run_id=f"plain-{i}",
+        run_id=f"plain-{i}-{time.time_ns()}",
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{_free_port()}",
         max_restarts=0,
         monitor_interval=0.1,  # as distml's launcher
         start_method="spawn",
         local_addr="127.0.0.1",
-        logs_specs=DefaultLogsSpecs(log_dir=str(tmp / f"plain-logs-{i}")),
+        logs_specs=DefaultLogsSpecs(log_dir=str(tmp / f"plain-logs-{i}-{time.time_ns()}")),
     )
     return elastic_launch(config, plain_worker)(cfg)[0]
 
 
 def run_distml(cfg: dict[str, Any], nproc: int, tmp: Path, i: int) -> dict[str, Any]:
     return distml.launch(
-        distml_worker, cfg, nproc=nproc, run_name=f"distml-{i}", runs_dir=tmp,
+        distml_worker, cfg, nproc=nproc, run_name=f"distml-{i}-{time.time_ns()}", runs_dir=tmp,
         telemetry={"progress": False},
     )
 
@@ -130,9 +141,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64, help="per rank")
     parser.add_argument("--sizes", default="784,1024,1024,10", help="MLP layer widths")
-    parser.add_argument("--quiet", type=float, default=0.25,
-                        help="before each run, wait until under this share of the CPUs is busy")
-    parser.add_argument("--max-wait", type=float, default=60.0, help="seconds; 0: do not wait")
+    add_noise_args(parser)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     cfg = {"sizes": sizes, "batch": args.batch, "lr": 0.01,
@@ -144,29 +153,26 @@ def main() -> None:
         for r in range(args.repeats):
             order = ("distml", "plain") if r % 2 == 0 else ("plain", "distml")  # ABBA
             for name in order:
-                busy = wait_until_quiet(args.quiet, args.max_wait) if args.max_wait else 0.0
-                res = runners[name](cfg, args.nproc, tmp, r)
+                res = measured(partial(runners[name], cfg, args.nproc, tmp, r), args)
                 samples = args.steps * args.batch * args.nproc
-                run = {"repeat": r, "wall_s": res["wall_s"],
-                       "samples_per_s": samples / res["wall_s"],
-                       "median_step_ms": 1e3 * median(res["step_s"]),
-                       "cpu_per_wall_rank0": res["cpu_per_wall"], "busy_before": busy}
-                if "summary" in res:
-                    run["distml_summary"] = res["summary"]
+                run = {"repeat": r, "samples_per_s": samples / res["wall_s"],
+                       "median_step_ms": 1e3 * median(res.pop("step_s")), **res}
                 runs[name].append(run)
                 print(f"repeat {r} {name:6s} {run['samples_per_s']:9,.0f} samples/s  "
-                      f"median step {run['median_step_ms']:.2f} ms  rank-0 cpu/wall "
-                      f"{res['cpu_per_wall']:.2f}  cpus busy before {busy:.0%}")
+                      f"median step {run['median_step_ms']:.2f} ms  cpu/wall "
+                      f"{'/'.join(f'{c:.2f}' for c in res['cpu_per_wall'])}  foreign "
+                      f"{res['foreign_share']:.1%}  attempts {res['attempts']}")
     med = {k: median([x["samples_per_s"] for x in v]) for k, v in runs.items()}
     step_ms = {k: median([x["median_step_ms"] for x in v]) for k, v in runs.items()}
     pair_ratios = [d["samples_per_s"] / p["samples_per_s"]
                    for d, p in zip(runs["distml"], runs["plain"], strict=True)]
     ratio = med["distml"] / med["plain"]
+    foreign = median([x["foreign_share"] for v in runs.values() for x in v])
     rows = [[k, f"{med[k]:,.0f}", spread([x["samples_per_s"] for x in runs[k]]),
              f"{step_ms[k]:.2f}", f"{med[k] / med['plain']:.3f}"] for k in ("plain", "distml")]
     print_table(
         f"DDP step overhead: {args.nproc} procs x batch {args.batch}, MLP {args.sizes}, "
-        f"{args.steps} steps x {args.repeats} repeats",
+        f"{args.steps} steps x {args.repeats} repeats; noise: median foreign CPU {foreign:.1%}",
         ["side", "median samples/s", "min..max", "median step ms", "vs plain"], rows,
     )
     print(f"distml / plain throughput: {ratio:.3f} (median of per-repeat ratios "
@@ -175,6 +181,7 @@ def main() -> None:
         "benchmark": "ddp_overhead", "machine": info, "args": vars(args),
         "median_samples_per_s": med, "median_step_ms": step_ms, "ratio": ratio,
         "pair_ratios": pair_ratios, "median_pair_ratio": median(pair_ratios),
+        "median_foreign_share": foreign,
         "goal_ratio": 0.97, "met": ratio >= 0.97, "runs": runs,
     })
     print(f"wrote {path}")

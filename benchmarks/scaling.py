@@ -16,21 +16,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from _common import (
+    add_noise_args,
     machine_info,
+    measured,
     median,
     print_table,
     random_batches,
     scratch_dir,
     spread,
     timed_steps,
-    wait_until_quiet,
     write_json,
 )
 from torch import nn
@@ -62,9 +64,6 @@ def worker(ctx: distml.Context, cfg: dict[str, Any]) -> dict[str, Any]:
         return F.cross_entropy(model(batch[0]), batch[1])
 
     result = timed_steps(lambda b: ctx.train_step(b, loss_of), batches, cfg["warmup"], cfg["steps"])
-    cpu: list[float] = [0.0] * ctx.world_size
-    dist.all_gather_object(cpu, result["cpu_per_wall"])
-    result["cpu_per_wall_ranks"] = cpu
     summary = ctx.finish()
     result["summary"] = {k: summary[k] for k in SUMMARY_KEYS}
     if ctx.rank == 0:  # metrics.jsonl holds every rank's records, with waits attributed
@@ -74,20 +73,17 @@ def worker(ctx: distml.Context, cfg: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def run_once(cfg: dict[str, Any], nproc: int, tmp: Path, r: int, busy: float) -> dict[str, Any]:
+def run_once(cfg: dict[str, Any], nproc: int, tmp: Path, r: int) -> dict[str, Any]:
     res = distml.launch(
-        worker, cfg, nproc=nproc, run_name=f"scaling-{nproc}-{r}", runs_dir=tmp,
-        telemetry={"progress": False},
+        worker, cfg, nproc=nproc, run_name=f"scaling-{nproc}-{r}-{time.time_ns()}",
+        runs_dir=tmp, telemetry={"progress": False},
     )
     return {
         "repeat": r,
-        "wall_s": res["wall_s"],
         "samples_per_s": cfg["steps"] * cfg["batch"] * nproc / res["wall_s"],
-        "median_step_ms": 1e3 * median(res["step_s"]),
-        "per_step_ms": {p: 1e3 * v for p, v in res["per_step"].items()},
-        "distml_summary": res["summary"],
-        "cpu_per_wall": res["cpu_per_wall_ranks"],
-        "busy_before": busy,
+        "median_step_ms": 1e3 * median(res.pop("step_s")),
+        "per_step_ms": {p: 1e3 * v for p, v in res.pop("per_step").items()},
+        **res,
     }
 
 
@@ -97,9 +93,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per run")
     parser.add_argument("--batch", type=int, default=64, help="per worker")
-    parser.add_argument("--quiet", type=float, default=0.25,
-                        help="before each run, wait until under this share of the CPUs is busy")
-    parser.add_argument("--max-wait", type=float, default=60.0, help="seconds; 0: do not wait")
+    add_noise_args(parser)
     args = parser.parse_args()
     cfg = {"batch": args.batch, "warmup": args.warmup, "steps": args.steps}
     runs: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
@@ -107,15 +101,14 @@ def main() -> None:
     with scratch_dir("distml-scaling-") as tmp:
         for r in range(args.repeats):
             for nproc in (1, 2) if r % 2 == 0 else (2, 1):  # ABBA
-                busy = wait_until_quiet(args.quiet, args.max_wait) if args.max_wait else 0.0
-                run = run_once(cfg, nproc, tmp, r, busy)
+                run = measured(partial(run_once, cfg, nproc, tmp, r), args)
                 runs[nproc].append(run)
                 ms = run["per_step_ms"]
                 print(f"repeat {r} nproc {nproc}: {run['samples_per_s']:7,.1f} samples/s  "
                       f"step {ms['step_s']:.1f} = compute {ms['compute_s']:.1f} + comm "
                       f"{ms['comm_s']:.2f} + wait {ms['sync_wait_s']:.2f} ms  "
                       f"cpu/wall {'/'.join(f'{c:.2f}' for c in run['cpu_per_wall'])}  "
-                      f"cpus busy before {busy:.0%}")
+                      f"foreign {run['foreign_share']:.1%}  attempts {run['attempts']}")
     tput = {n: median([x["samples_per_s"] for x in v]) for n, v in runs.items()}
     parts = {n: {p: median([x["per_step_ms"][p] for x in v]) for p in PARTS}
              for n, v in runs.items()}

@@ -31,8 +31,17 @@ def distml_cli(*args: str, timeout: float = 240, cwd: Path | None = None, **pope
     )
 
 
+def _is_resource_tracker(pid: int) -> bool:
+    # Python's multiprocessing keeps one resource-tracker process per parent until it exits.
+    try:
+        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def child_pids(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (read from /proc), zombies excluded."""
+    """Every live descendant of ``pid`` (read from /proc); zombies and the multiprocessing
+    resource tracker excluded."""
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -50,7 +59,7 @@ def child_pids(pid: int) -> list[int]:
         for child in parents.get(todo.pop(), []):
             out.append(child)
             todo.append(child)
-    return out
+    return [p for p in out if not _is_resource_tracker(p)]
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:

@@ -9,9 +9,11 @@ rendezvous endpoint across hosts), so a restart works for any script, torchrun s
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
+import struct
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,21 +55,59 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def launch_config(config: RunConfig, attempt: int) -> LaunchConfig:
+def route_source_addr(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (a UDP connect sends no packet)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(sockaddr)
+        return s.getsockname()[0]
+
+
+def interface_of(addr: str) -> str | None:
+    """The name of the network interface that holds IPv4 address ``addr``, if any."""
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()))
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == addr:
+                return name
+    return None
+
+
+def node_addressing(config: RunConfig) -> tuple[str, dict[str, str]]:
+    """This node's address for the other nodes, and the environment gloo needs to use it.
+
+    Left to itself, torch finds its own address by resolving the hostname, which on many machines
+    (Debian's 127.0.1.1 entry, containers) names the loopback: peers are then told to connect to
+    127.0.0.1. The address on the route to the rendezvous endpoint is the one peers can reach.
+    """
+    if config.rdzv_endpoint is None:
+        return "127.0.0.1", {}
+    addr = route_source_addr(*parse_endpoint(config.rdzv_endpoint))
+    env = {}
+    ifname = interface_of(addr)
+    if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = ifname
+    return addr, env
+
+
+def launch_config(config: RunConfig, attempt: int, local_addr: str) -> LaunchConfig:
     """The elastic agent's settings for one attempt of a run."""
     rdzv_configs: dict[str, Any] = {"timeout": int(max(config.timeout_s, 30))}
     if config.rdzv_endpoint is None:
         backend, endpoint = "c10d", f"127.0.0.1:{free_port()}"
-        local_addr = "127.0.0.1"
     elif config.node_rank is not None:
         # Static rendezvous: node ranks are fixed; each attempt moves to the next port.
         host, port = parse_endpoint(config.rdzv_endpoint)
         backend, endpoint = "static", f"{host}:{port + attempt}"
         rdzv_configs["rank"] = config.node_rank
-        local_addr = None
     else:
         backend, endpoint = "c10d", config.rdzv_endpoint
-        local_addr = None
+        host, port = parse_endpoint(endpoint)
+        rdzv_configs["is_host"] = route_source_addr(host, port) == socket.gethostbyname(host)
     return LaunchConfig(
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
@@ -121,12 +161,14 @@ def run_workers(
     """
     config_path = config.run_dir / "config.toml"
     save_config(config, config_path)
+    local_addr, net_env = node_addressing(config)
     last: list[WorkerFailure] = []
     for attempt in range(config.max_restarts + 1):
-        env = {CONFIG_ENV: str(config_path.resolve()), ATTEMPT_ENV: str(attempt)}
+        env = {CONFIG_ENV: str(config_path.resolve()), ATTEMPT_ENV: str(attempt), **net_env}
         with _worker_env(env):
             try:
-                return elastic_launch(launch_config(config, attempt), entrypoint)(*args)
+                agent = launch_config(config, attempt, local_addr)
+                return elastic_launch(agent, entrypoint)(*args)
             except ChildFailedError as err:
                 last = _failures(err)
         ranks = ", ".join(str(f.rank) for f in last)

@@ -174,7 +174,7 @@ class Context:
         cfg = self.config.strategy
         rec = self.recorder
         rec.begin_step()
-        self._simulate_straggler()
+        slept = self._simulate_straggler()
         batch = _to(batch, self.device)
         total = _batch_len(batch)
         micro_batches = _split(batch, min(cfg.grad_accum, total))
@@ -199,7 +199,7 @@ class Context:
         self.optimizer.zero_grad(set_to_none=True)
         value = loss_sum.item()
         record = rec.end_step(self.step, value, total, backward_done)
-        self._last_compute = record.compute_s
+        self._last_compute = record.compute_s - slept
         self.step += 1
         self._progress.update(self.step, value, total * self.world_size / max(record.step_s, 1e-9))
         return value
@@ -211,13 +211,15 @@ class Context:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def _simulate_straggler(self) -> None:
+    def _simulate_straggler(self) -> float:
+        """Stretch this rank's compute to FACTOR x its own (the last step's, unslowed), before
+        its gradients can reach the all-reduce. Returns the seconds slept."""
         straggler = self.config.telemetry.simulate_straggler
-        if straggler is not None and straggler[0] == self.rank and self._last_compute > 0:
-            # Stretch this rank's compute to FACTOR x its unslowed time (the last step's, less the
-            # sleep it already had), before its gradients can reach the all-reduce.
-            factor = straggler[1]
-            time.sleep(self._last_compute * (factor - 1) / factor)
+        if straggler is None or straggler[0] != self.rank:
+            return 0.0
+        delay = self._last_compute * (straggler[1] - 1)
+        time.sleep(delay)
+        return delay
 
     # -- validation -------------------------------------------------------------------------
     def evaluate(

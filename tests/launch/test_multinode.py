@@ -1,0 +1,253 @@
+"""Multi-node, for real: two hosts in two network namespaces joined by a veth pair.
+
+Each "host" is a network namespace with its own veth address. They share this machine's hostname,
+which resolves to the loopback here, as it does on many real machines (Debian's 127.0.1.1 entry,
+containers): the launcher must find each node's address on the route to the rendezvous rather
+than trust the hostname. One ``distml run --nnodes 2`` starts in each, and the job must train to
+the same parameters as ``distml run --nproc 2`` on one host.
+
+Needs root and ``ip`` (iproute2) with ``ip netns``; skipped otherwise.
+Nothing outside the two namespaces is addressed, and everything is torn down on exit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.netns
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "examples" / "digits" / "train.py"
+TRAIN_ARGS = ("--max-steps", "20", "--epochs", "1")
+RUN_TIMEOUT_S = 180
+SUBNET = "10.213.77"  # exists only inside the test's own namespaces
+PORT = 29531
+_counter = itertools.count()
+
+
+def _env() -> dict[str, str]:
+    # The same environment for the reference and the multi-node run, so that the numerics match.
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed ({done.returncode}): {done.stderr}")
+    return done
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"<{path}: {exc}>"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class Host:
+    netns: str
+    ifname: str
+    addr: str
+    hostname: str
+
+
+@dataclass
+class Lan:
+    hosts: tuple[Host, Host]
+
+
+@dataclass
+class Run:
+    """A finished run's folder, summary.json and exported parameters."""
+
+    run_dir: Path
+    summary: dict = field(repr=False)
+    params: dict[str, torch.Tensor] = field(repr=False)
+
+
+def _require_netns() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create network namespaces")
+    if shutil.which("ip") is None:
+        pytest.skip("needs `ip` (iproute2) on PATH")
+    probe = _sh("ip", "netns", "list", check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"`ip netns` unavailable: {probe.stderr.strip()}")
+
+
+def _netns_pids(netns: str) -> list[int]:
+    out = _sh("ip", "netns", "pids", netns, check=False).stdout
+    return [int(p) for p in out.split() if p.isdigit()]
+
+
+def _kill_netns_processes(netns: str) -> None:
+    """Kill what is still running inside ``netns``: only processes this test started live there."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = _netns_pids(netns)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _netns_pids(netns):
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def lan(tmp_path: Path) -> Iterator[Lan]:
+    """Two namespaces ``a`` and ``b`` joined by a veth pair, each with its own address."""
+    _require_netns()
+    tag = f"{os.getpid()}-{next(_counter)}"
+    # Interface names only exist inside their own namespace, so they need not be unique.
+    hosts = (
+        Host(f"distml-a-{tag}", "veth-a", f"{SUBNET}.1", f"node-a-{tag}"),
+        Host(f"distml-b-{tag}", "veth-b", f"{SUBNET}.2", f"node-b-{tag}"),
+    )
+    created: list[str] = []
+    try:
+        for h in hosts:
+            made = _sh("ip", "netns", "add", h.netns, check=False)
+            if made.returncode != 0:
+                pytest.skip(f"`ip netns add` failed: {made.stderr.strip()}")
+            created.append(h.netns)
+        a, b = hosts
+        # Created inside namespace a with its peer inside b: the pair never appears in the
+        # caller's namespace, and goes away with the namespaces.
+        _sh(
+            "ip", "-n", a.netns, "link", "add", a.ifname, "type", "veth",
+            "peer", "name", b.ifname, "netns", b.netns,
+        )  # fmt: skip
+        for h in hosts:
+            _sh("ip", "-n", h.netns, "link", "set", "lo", "up")
+            _sh("ip", "-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
+            _sh("ip", "-n", h.netns, "link", "set", h.ifname, "up")
+        yield Lan(hosts)
+    finally:
+        for netns in created:
+            _kill_netns_processes(netns)
+            _sh("ip", "netns", "delete", netns, check=False)
+
+
+def _host_command(lan: Lan, host: Host, *argv: str) -> list[str]:
+    """``argv`` run on ``host``: inside its network namespace."""
+    return ["ip", "netns", "exec", host.netns, *argv]
+
+
+def _distml(*args: str) -> list[str]:
+    return [sys.executable, "-m", "distml", "run", *args, str(TRAIN), *TRAIN_ARGS]
+
+
+def _wait_all(procs: dict[str, tuple[subprocess.Popen, Path]], timeout: float) -> dict[str, str]:
+    """Wait for every process, killing its process group on timeout. Their outcomes, as
+    "exit code N" or "timed out"."""
+    deadline = time.monotonic() + timeout
+    codes: dict[str, str] = {}
+    try:
+        for name, (proc, _) in procs.items():
+            try:
+                code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                codes[name] = f"exit code {code}"
+            except subprocess.TimeoutExpired:
+                codes[name] = f"timed out after {timeout:.0f} s, killed"
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+    return codes
+
+
+def _start(argv: list[str], log: Path) -> tuple[subprocess.Popen, Path]:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=ROOT, env=_env(), start_new_session=True,
+        )  # fmt: skip
+    return proc, log
+
+
+def _outputs(procs: dict[str, tuple[subprocess.Popen, Path]], codes: dict[str, str]) -> str:
+    return "\n".join(
+        f"===== {name}: {codes.get(name)} (tail of {log}) =====\n{_tail(log)}"
+        for name, (_, log) in procs.items()
+    )
+
+
+def _load_run(run_dirs: list[Path], context: str) -> Run:
+    """The one run folder (of ``run_dirs``) holding summary.json and the exported model."""
+    found = [d for d in run_dirs if (d / "summary.json").is_file()]
+    assert len(found) == 1, f"expected one summary.json in {run_dirs}, found {found}\n{context}"
+    summary = json.loads((found[0] / "summary.json").read_text())
+    assert summary.get("export"), f"no exported model in {found[0]}\n{context}"
+    return Run(found[0], summary, load_file(summary["export"]))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Run:
+    """The single-host run: ``distml run --nproc 2`` on loopback."""
+    tmp = tmp_path_factory.mktemp("single-host")
+    argv = _distml("--nproc", "2", "--run-name", "ref", "--runs-dir", str(tmp))
+    procs = {"single-host": _start(argv, tmp / "out.log")}
+    codes = _wait_all(procs, RUN_TIMEOUT_S)
+    context = _outputs(procs, codes)
+    assert codes == {"single-host": "exit code 0"}, f"single-host run failed\n{context}"
+    return _load_run([tmp / "ref"], context)
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+def test_two_hosts_train_like_one(lan: Lan, tmp_path: Path, reference: Run, rendezvous: str):
+    endpoint = f"{lan.hosts[0].addr}:{PORT}"  # node a hosts the rendezvous
+    procs = {}
+    for node_rank, host in enumerate(lan.hosts):
+        args = [
+            "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint,
+            "--run-name", "two-hosts", "--runs-dir", str(tmp_path / host.hostname),
+        ]  # fmt: skip
+        if rendezvous == "static":
+            args += ["--node-rank", str(node_rank)]
+        procs[host.hostname] = _start(
+            _host_command(lan, host, *_distml(*args)), tmp_path / f"{host.hostname}.log"
+        )
+    codes = _wait_all(procs, RUN_TIMEOUT_S)
+    context = _outputs(procs, codes)
+    assert codes == {h.hostname: "exit code 0" for h in lan.hosts}, f"a node failed\n{context}"
+
+    # With c10d the node ranks follow the join order: rank 0 (and the run files) may be on
+    # either host. With static rendezvous node a has rank 0.
+    run_dirs = [tmp_path / h.hostname / "two-hosts" for h in lan.hosts]
+    run = _load_run(run_dirs, context)
+    if rendezvous == "static":
+        assert run.run_dir == run_dirs[0], context
+    summary, params = run.summary, run.params
+    ref_summary, ref_params = reference.summary, reference.params
+
+    assert summary["world_size"] == 2, context
+    assert ref_summary["world_size"] == 2
+    assert summary["steps"] == ref_summary["steps"] == 20
+    assert summary["param_norm"] == pytest.approx(ref_summary["param_norm"], rel=1e-5, abs=0)
+    assert params.keys() == ref_params.keys()
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=name)

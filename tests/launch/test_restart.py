@@ -1,0 +1,175 @@
+"""Fault tolerance: a worker killed (SIGKILL) or hung (SIGSTOP) mid-run is restarted, and the job
+ends with the parameters of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import EXAMPLES, SCRIPTS, child_pids, distml_cli, wait_for
+from safetensors.torch import load_file
+
+TORCHRUN_SCRIPT = SCRIPTS / "torchrun_ckpt.py"
+DIGITS = EXAMPLES / "digits" / "train.py"
+STEPS = 30
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def assert_same_params(a: Path, b: Path) -> None:
+    left, right = load_file(a), load_file(b)
+    assert left.keys() == right.keys()
+    for k in left:
+        torch.testing.assert_close(left[k], right[k], rtol=1e-6, atol=1e-7)
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "distml", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def ckpt_step(path: Path) -> int:
+    try:
+        return int(torch.load(path, weights_only=True)["step"])
+    except Exception:  # not written yet, or being replaced
+        return -1
+
+
+@pytest.fixture(scope="module")
+def torchrun_reference(tmp_path_factory) -> Path:
+    """The plain script, uninterrupted, under plain torchrun."""
+    out = tmp_path_factory.mktemp("torchrun_ref")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(TORCHRUN_SCRIPT),
+            str(out),
+            str(STEPS),
+        ],
+        check=True,
+        capture_output=True,
+        env=ENV,
+        timeout=180,
+    )
+    return out / "final.safetensors"
+
+
+def test_torchrun_script_runs_unchanged_and_gives_the_same_result(tmp_path, torchrun_reference):
+    proc = distml_cli(
+        "run",
+        "--nproc",
+        "2",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        str(TORCHRUN_SCRIPT),
+        str(tmp_path),
+        str(STEPS),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_params(tmp_path / "final.safetensors", torchrun_reference)
+
+
+def test_sigkilled_worker_of_a_plain_torchrun_script_is_restarted(tmp_path, torchrun_reference):
+    proc = start(
+        [
+            "run",
+            "--nproc",
+            "2",
+            "--max-restarts",
+            "1",
+            "--runs-dir",
+            str(tmp_path / "r"),
+            str(TORCHRUN_SCRIPT),
+            str(tmp_path),
+            str(STEPS),
+            "0.1",
+        ]
+    )
+    wait_for(lambda: ckpt_step(tmp_path / "ckpt.pt") >= 5, 120, "a checkpoint at step 5")
+    victim = next((tmp_path / "pids").glob("rank1.*"))
+    os.kill(int(victim.suffix[1:]), signal.SIGKILL)
+    killed_at = ckpt_step(tmp_path / "ckpt.pt")
+    out = finish(proc)
+    assert killed_at < STEPS, "the job ended before the kill"
+    assert "restarting" in out
+    assert len(list((tmp_path / "pids").glob("rank1.*"))) == 2  # one process per attempt
+    assert_same_params(tmp_path / "final.safetensors", torchrun_reference)
+
+
+def digits_args(runs: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "run",
+        "--nproc",
+        "2",
+        "--runs-dir",
+        str(runs),
+        "--run-name",
+        name,
+        "--simulate-straggler",
+        "1:20",
+        *extra,
+        str(DIGITS),
+        "--max-steps",
+        "40",
+        "--checkpoint-every",
+        "5",
+    ]
+
+
+@pytest.fixture(scope="module")
+def digits_reference(tmp_path_factory) -> dict:
+    runs = tmp_path_factory.mktemp("digits_ref")
+    finish(start(digits_args(runs, "ref")))
+    return json.loads((runs / "ref" / "summary.json").read_text())
+
+
+def latest_step(run_dir: Path) -> int:
+    marker = run_dir / "checkpoint" / "latest"
+    return int(marker.read_text().split("_")[1]) if marker.exists() else -1
+
+
+def worker_pids(proc: subprocess.Popen) -> list[int]:
+    return [
+        p for p in child_pids(proc.pid) if b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes()
+    ]
+
+
+@pytest.mark.parametrize("how", ["sigkill", "hang"])
+def test_distml_script_survives_a_lost_worker(tmp_path, digits_reference, how):
+    extra = ["--max-restarts", "1", "--timeout", "5"]
+    proc = start(digits_args(tmp_path, "faulty", *extra))
+    wait_for(lambda: latest_step(tmp_path / "faulty") >= 10, 120, "a checkpoint at step 10")
+    victim = max(worker_pids(proc))
+    t0 = time.monotonic()
+    os.kill(victim, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+    out = finish(proc)
+    summary = json.loads((tmp_path / "faulty" / "summary.json").read_text())
+    assert "restarting" in out
+    assert summary["attempt"] == 1
+    assert summary["steps"] < 40  # the second attempt resumed from a checkpoint
+    assert summary["param_norm"] == pytest.approx(digits_reference["param_norm"], rel=1e-6)
+    assert_same_params(Path(summary["export"]), Path(digits_reference["export"]))
+    if how == "hang":  # a 5 s timeout, not torch's 30-minute default
+        assert time.monotonic() - t0 < 60
