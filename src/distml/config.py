@@ -194,9 +194,9 @@ def build_config(**fields: object) -> RunConfig:
 def format_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "config"
+        where = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}: {msg}")
+        lines.append(f"{where}: {msg}" if where else msg)
     return "invalid configuration: " + "; ".join(lines)
 
 

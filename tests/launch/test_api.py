@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import child_pids
 
 import distml
+from conftest import child_pids
 
 
 def report(ctx: distml.Context, base: int) -> dict:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXAMPLES, SCRIPTS, child_pids, distml_cli, wait_for
 from safetensors.torch import load_file
+
+from conftest import EXAMPLES, SCRIPTS, child_pids, distml_cli, wait_for
 
 TORCHRUN_SCRIPT = SCRIPTS / "torchrun_ckpt.py"
 DIGITS = EXAMPLES / "digits" / "train.py"
@@ -40,7 +41,12 @@ def start(args: list[str]) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*child_pids(proc.pid), proc.pid]:
+            os.kill(pid, signal.SIGKILL)
+        raise
     assert proc.returncode == 0, out[-4000:]
     return out
 

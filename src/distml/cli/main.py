@@ -31,7 +31,8 @@ err = Console(stderr=True)
 
 
 def fail_usage(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print("[bold red]error:[/]", highlight=False, end=" ")
+    err.print(message, highlight=False, markup=False, soft_wrap=True)
     raise typer.Exit(2)
 
 

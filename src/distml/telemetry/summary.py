@@ -26,19 +26,21 @@ def attribute_waits(per_rank: list[list[dict[str, Any]]]) -> None:
 
 
 def find_stragglers(per_rank: list[list[dict[str, Any]]], factor: float) -> list[dict[str, Any]]:
-    """Ranks whose median compute time exceeds ``factor`` x the median over all ranks."""
+    """Ranks whose median compute time exceeds ``factor`` x the median of the other ranks.
+
+    Against the *other* ranks, so that with two ranks the slow one is not half of its own yardstick.
+    """
     medians = [
         statistics.median(r["compute_s"] for r in records) if records else 0.0
         for records in per_rank
     ]
-    if not medians:
-        return []
-    overall = statistics.median(medians)
-    return [
-        {"rank": rank, "median_compute_s": m, "ratio": m / overall}
-        for rank, m in enumerate(medians)
-        if overall > 0 and m > factor * overall
-    ]
+    found = []
+    for rank, m in enumerate(medians):
+        others = medians[:rank] + medians[rank + 1 :]
+        baseline = statistics.median(others) if others else 0.0
+        if baseline > 0 and m > factor * baseline:
+            found.append({"rank": rank, "median_compute_s": m, "ratio": m / baseline})
+    return found
 
 
 def _sum_by_key(dicts: list[dict[str, int]]) -> dict[str, int]:

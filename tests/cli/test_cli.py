@@ -1,0 +1,66 @@
+"""The distml command: bad input gets one readable message and exit code 2; the demo runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import EXAMPLES, distml_cli
+
+TRAIN = str(EXAMPLES / "digits" / "train.py")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["run", "--strategy", "zero9", TRAIN], "unknown strategy 'zero9'"),
+        (["run", "--nproc", "0", TRAIN], "nproc"),
+        (["run", "--nproc", "2", "--mesh", "dp=3", TRAIN], "world size is 2"),
+        (["run", "--nproc", "2", "--mesh", "dp=1,tp=2", TRAIN], "data parallelism only"),
+        (["run", "--mesh", "xx=2", TRAIN], "NAME=SIZE"),
+        (["run", "no/such/script.py"], "no such script: no/such/script.py"),
+        (["run", "--nnodes", "2", TRAIN], "needs --rdzv-endpoint"),
+        (["run", "--nnodes", "3:2", "--rdzv-endpoint", "h:1", TRAIN], "MAX is below MIN"),
+        (["run", "--rdzv-endpoint", "nohost", TRAIN], "not HOST:PORT"),
+        (["run", "--nproc", "2", "--simulate-straggler", "5:2", TRAIN], "RANK must be in"),
+        (["run", "--strategy", "ddp:compression=zip", TRAIN], "compression"),
+        (["run", "--run-name", "../escape", TRAIN], "run_name"),
+        (["run", "--nproc", "two", TRAIN], "Invalid value for '--nproc'"),
+        (["demo", "--epochs", "0"], "--epochs must be >= 1"),
+    ],
+)
+def test_bad_input_exits_2_with_one_message(args, message, tmp_path):
+    proc = distml_cli(*args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "runs").exists()  # nothing started, nothing written
+
+
+def test_config_file_is_read_and_flags_override_it(tmp_path):
+    (tmp_path / "run.toml").write_text('nproc = 3\n[strategy]\ncompression = "bogus"\n')
+    proc = distml_cli("run", "--config", "run.toml", TRAIN, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and "strategy.compression" in proc.stderr
+
+
+def test_failed_worker_exits_1_and_names_the_rank(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import os, sys\nif os.environ['RANK'] == '1':\n    sys.exit('rank one gives up')\n"
+    )
+    proc = distml_cli("run", "--nproc", "2", str(script), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1
+    assert "rank 1 (exit code 1)" in proc.stderr
+
+
+def test_demo_trains_validates_checkpoints_and_reports(tmp_path):
+    proc = distml_cli("demo", "--epochs", "3", "--run-name", "demo", cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "runs" / "demo"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["eval"]["accuracy"] > 0.8
+    assert (run / "checkpoint" / "latest").exists()
+    for name in ("config.toml", "metrics.jsonl", "report.html", "model.safetensors"):
+        assert (run / name).exists(), name
+    assert "report: runs/demo/report.html" in proc.stderr
