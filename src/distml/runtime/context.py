@@ -14,6 +14,7 @@ The same body runs under ``distml run`` (``Context.create()`` at the top of a sc
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import time
@@ -123,9 +124,21 @@ class Context:
         self.close()
 
     def close(self) -> None:
+        """Leave the run. Drops the DDP model first, while the process group is still alive.
+
+        Otherwise the model is freed at interpreter exit, its reducer holds the last reference to
+        the gloo group, and the group's destructor joins gloo's threads while holding the GIL;
+        a thread that is still releasing a Python future callback waits for that GIL forever.
+        """
         self._progress.stop()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        dist.barrier()
+        self.model = None
+        self.optimizer = None
+        gc.collect()
+        time.sleep(0.05)  # GIL released: gloo's threads finish releasing their callbacks
+        dist.destroy_process_group()
 
     # -- training ---------------------------------------------------------------------------
     def setup(

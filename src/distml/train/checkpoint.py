@@ -4,9 +4,9 @@ A checkpoint holds the model, the optimizer, the step, the data-loader position 
 RNG state, all as tensors: no Python object is pickled into it. DCP's metadata file is a pickle;
 it is read back with an unpickler that admits only DCP's own metadata classes, and the few
 non-tensor values (an optimizer's hyperparameters) with ``torch.load(weights_only=True)``, so
-loading never runs code from the file. Each save goes to ``step_<N>/`` and becomes current only when complete
-(the ``latest`` file is replaced atomically afterwards), so a crash during a save leaves the
-previous checkpoint in force.
+loading never runs code from the file. Each save goes to ``step_<N>/`` and becomes current only
+when complete (the ``latest`` file is replaced atomically afterwards), so a crash during a save
+leaves the previous checkpoint in force.
 """
 
 from __future__ import annotations
