@@ -64,3 +64,15 @@ def test_demo_trains_validates_checkpoints_and_reports(tmp_path):
     for name in ("config.toml", "metrics.jsonl", "report.html", "model.safetensors"):
         assert (run / name).exists(), name
     assert "report: runs/demo/report.html" in proc.stderr
+
+
+def test_run_module_with_its_arguments(tmp_path):
+    (tmp_path / "hello_mod.py").write_text(
+        "import os, sys\n"
+        "open(f\"out{os.environ['RANK']}.txt\", 'w').write(' '.join(sys.argv[1:]))\n"
+    )
+    proc = distml_cli(
+        "run", "--nproc", "2", "-m", "hello_mod", "--steps", "3", "x", cwd=tmp_path, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [(tmp_path / f"out{r}.txt").read_text() for r in (0, 1)] == ["--steps 3 x"] * 2
