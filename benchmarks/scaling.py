@@ -2,6 +2,7 @@
 
     python benchmarks/scaling.py                      # 3 interleaved repeats of each
     python benchmarks/scaling.py --repeats 5 --steps 60 --batch 64
+    python benchmarks/scaling.py --pin                # worker i on core i (sched_setaffinity)
 
 Each worker trains the same small CNN (3x32x32 inputs, ~0.1 M parameters, so ~0.4 MB of
 gradients against ~0.1 s of compute a step) on its own fixed random batches of ``--batch``
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from functools import partial
 from pathlib import Path
@@ -54,6 +56,8 @@ def make_cnn(c: int = 32) -> nn.Module:
 
 
 def worker(ctx: distml.Context, cfg: dict[str, Any]) -> dict[str, Any]:
+    if cfg["pin"] and hasattr(os, "sched_setaffinity"):  # one core per worker
+        os.sched_setaffinity(0, {ctx.local_rank % (os.cpu_count() or 1)})
     torch.set_num_threads(1)
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -93,9 +97,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per run")
     parser.add_argument("--batch", type=int, default=64, help="per worker")
+    parser.add_argument("--pin", action="store_true", help="pin worker i to CPU core i")
     add_noise_args(parser)
     args = parser.parse_args()
-    cfg = {"batch": args.batch, "warmup": args.warmup, "steps": args.steps}
+    cfg = {"batch": args.batch, "warmup": args.warmup, "steps": args.steps, "pin": args.pin}
     runs: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
     info = machine_info()
     with scratch_dir("distml-scaling-") as tmp:
@@ -124,7 +129,7 @@ def main() -> None:
                      f"{ms['comm_s']:.2f} ({frac['comm_s']:.1%})",
                      f"{ms['sync_wait_s']:.2f} ({frac['sync_wait_s']:.1%})"])
     print_table(
-        f"Weak scaling: CNN, batch {args.batch}/worker, 1 thread/worker, "
+        f"Weak scaling: CNN, batch {args.batch}/worker, 1 thread/worker{', pinned' * args.pin}, "
         f"{args.steps} steps x {args.repeats} repeats (medians; ms per step, rank mean)",
         ["workers", "samples/s", "min..max", "step ms", "compute ms", "comm ms", "wait ms"], rows,
     )
@@ -140,7 +145,7 @@ def main() -> None:
     print("extra time per 2-worker step: {step_ms_over_1_worker:.1f} ms = compute slower by "
           "{compute_inflation_ms:.1f} + comm {comm_ms:.2f} + wait {sync_wait_ms:.2f}"
           .format(**lost))
-    path = write_json("scaling", {
+    path = write_json("scaling_pinned" if args.pin else "scaling", {
         "benchmark": "scaling", "machine": info, "args": vars(args),
         "median_samples_per_s": tput, "speedup": speedup, "efficiency": speedup / 2,
         "pair_speedups": pair_speedups, "median_per_step_ms": parts, "lost_per_step_ms": lost,

@@ -62,17 +62,22 @@ def single_process(steps: int, batch: int) -> torch.Tensor:
     return flat_params(model)
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_n_workers_batch_b_equal_one_process_batch_nb(nproc, tmp_path):
-    out = distml.launch(
+def launch_dp(tmp_path, name: str, nproc: int = 2, **strategy) -> dict:
+    return distml.launch(
         train_worker,
         STEPS,
         BATCH,
         nproc=nproc,
         runs_dir=tmp_path,
-        run_name="dp",
+        run_name=name,
+        strategy=strategy,
         telemetry={"progress": False},
     )
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_n_workers_batch_b_equal_one_process_batch_nb(nproc, tmp_path):
+    out = launch_dp(tmp_path, "dp", nproc)
     expected = single_process(STEPS, nproc * BATCH)
     assert rel_err(out["params"], expected) <= 1e-5
     summary = out["summary"]
@@ -86,47 +91,24 @@ def test_n_workers_batch_b_equal_one_process_batch_nb(nproc, tmp_path):
 
 
 def test_gradient_accumulation_equals_the_whole_batch(tmp_path):
-    out = distml.launch(
-        train_worker,
-        STEPS,
-        BATCH,
-        nproc=2,
-        runs_dir=tmp_path,
-        run_name="accum",
-        strategy={"grad_accum": 4},
-        telemetry={"progress": False},
-    )
+    out = launch_dp(tmp_path, "accum", grad_accum=4)
     assert rel_err(out["params"], single_process(STEPS, 2 * BATCH)) <= 1e-5
     # Micro-batches under no_sync send nothing: still one all-reduce of the gradients per step.
     assert out["summary"]["comm_bytes"]["all_reduce"] == STEPS * 4 * out["params"].numel()
 
 
 def test_fp16_compression_halves_the_payload_and_stays_close(tmp_path):
-    out = distml.launch(
-        train_worker,
-        STEPS,
-        BATCH,
-        nproc=2,
-        runs_dir=tmp_path,
-        run_name="fp16",
-        strategy={"compression": "fp16"},
-        telemetry={"progress": False},
-    )
+    out = launch_dp(tmp_path, "fp16", compression="fp16")
     numel = out["params"].numel()
     assert out["summary"]["comm_bytes"]["all_reduce"] == STEPS * 2 * numel
     assert rel_err(out["params"], single_process(STEPS, 2 * BATCH)) <= 1e-2
 
 
 def test_powersgd_sends_low_rank_factors(tmp_path):
-    out = distml.launch(
-        train_worker,
-        STEPS,
-        BATCH,
-        nproc=2,
-        runs_dir=tmp_path,
-        run_name="psgd",
-        strategy={"compression": "powersgd", "powersgd_rank": 1, "powersgd_start_iter": 2},
-        telemetry={"progress": False},
+    out = launch_dp(
+        tmp_path,
+        "psgd",
+        **{"compression": "powersgd", "powersgd_rank": 1, "powersgd_start_iter": 2},
     )
     # Two vanilla steps, then per step: the 32x16 and 10x32 weights as rank-1 factors
     # (32+16 and 10+32 elements), the biases (32 + 10) uncompressed.
@@ -137,16 +119,7 @@ def test_powersgd_sends_low_rank_factors(tmp_path):
 
 
 def test_bf16_mixed_precision_trains_close_to_fp32(tmp_path):
-    out = distml.launch(
-        train_worker,
-        STEPS,
-        BATCH,
-        nproc=2,
-        runs_dir=tmp_path,
-        run_name="bf16",
-        strategy={"mixed_precision": "bf16"},
-        telemetry={"progress": False},
-    )
+    out = launch_dp(tmp_path, "bf16", mixed_precision="bf16")
     fp32 = single_process(STEPS, 2 * BATCH)
     # bf16 keeps 8 bits of mantissa: a few 1e-3 of drift over 20 steps, but the same training.
     assert 1e-6 < rel_err(out["params"], fp32) <= 5e-2

@@ -190,19 +190,21 @@ class Context:
         slept = self._simulate_straggler()
         batch = _to(batch, self.device)
         total = _batch_len(batch)
-        micro_batches = _split(batch, min(cfg.grad_accum, total))
-        loss_sum = torch.zeros((), device=self.device)
+        parts = min(cfg.grad_accum, total)
+        micro_batches = _split(batch, parts) if parts > 1 else [batch]
+        losses = []
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with nullcontext() if last else self.model.no_sync():
                 with self._autocast():
                     loss = compute_loss(micro)
-                weighted = loss * (_batch_len(micro) / total)
+                if parts > 1:  # weight by size: micro-batches of a split may differ by one
+                    loss = loss * (_batch_len(micro) / total)
                 if self._scaler is not None:
-                    self._scaler.scale(weighted).backward()
+                    self._scaler.scale(loss).backward()
                 else:
-                    weighted.backward()
-                loss_sum += weighted.detach().float()
+                    loss.backward()
+                losses.append(loss.detach())
         backward_done = time.perf_counter()
         if self._scaler is not None:
             self._scaler.step(self.optimizer)
@@ -210,7 +212,7 @@ class Context:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        value = loss_sum.item()
+        value = float(sum(losses)) if parts > 1 else losses[0].item()
         record = rec.end_step(self.step, value, total, backward_done)
         self._last_compute = record.compute_s - slept
         self.step += 1
