@@ -161,10 +161,14 @@ def run_workers(
     """
     config_path = config.run_dir / "config.toml"
     save_config(config, config_path)
-    local_addr, net_env = node_addressing(config)
+    local_addr, worker_env = node_addressing(config)
+    if "OMP_NUM_THREADS" not in os.environ:
+        # As torchrun does, but sharing the cores rather than taking one each: N workers with
+        # torch's default of one thread per core would oversubscribe the CPU N times.
+        worker_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
     last: list[WorkerFailure] = []
     for attempt in range(config.max_restarts + 1):
-        env = {CONFIG_ENV: str(config_path.resolve()), ATTEMPT_ENV: str(attempt), **net_env}
+        env = {CONFIG_ENV: str(config_path.resolve()), ATTEMPT_ENV: str(attempt), **worker_env}
         with _worker_env(env):
             try:
                 agent = launch_config(config, attempt, local_addr)
