@@ -48,11 +48,6 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def load_now() -> float:
-    """The 1-minute load average: a hint that other work shared the machine."""
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-
-
 def busy_cpu_s() -> float:
     """CPU seconds all cores have been busy since boot (/proc/stat); 0 where unavailable."""
     try:

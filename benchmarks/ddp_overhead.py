@@ -5,10 +5,15 @@
 
 Both sides run ``nproc`` processes on the CPU (gloo), one thread each, started by torch's
 ``elastic_launch`` (distml through ``distml.launch``, the plain script directly), train the same
-MLP on the same fixed random batches with SGD, and time ``--steps`` steady-state steps on rank 0
+MLP on the same fixed random batches with SGD (the plain loop also reads the loss, as
+``ctx.train_step`` does), and time ``--steps`` steady-state steps on rank 0
 after ``--warmup`` untimed steps and a barrier. distml runs with its telemetry on (the accounted
 comm hook and the per-step recorder). Repeats alternate the two (ABBA order); the result is the
 median throughput of each and their ratio. Goal: distml / plain >= 0.97.
+
+On a shared machine: each run waits until the CPUs are quiet (``--quiet``, ``--max-wait``), and
+a run during which other processes took more than ``--max-foreign`` of the machine's CPU time
+is redone (``--retries``); each run's share and attempts are printed and kept in the JSON.
 """
 
 from __future__ import annotations

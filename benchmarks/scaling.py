@@ -11,6 +11,10 @@ timed steps on rank 0 (after ``--warmup`` untimed steps and a barrier). speed-up
 throughput(2) / throughput(1), efficiency = speed-up / 2. Where the rest went comes from distml's
 own per-step telemetry (metrics.jsonl, timed steps only, mean over ranks): compute, exposed
 communication proper, and synchronisation wait, per step. Goal: speed-up >= 1.8.
+
+On a shared machine: each run waits until the CPUs are quiet (``--quiet``, ``--max-wait``), and
+a run during which other processes took more than ``--max-foreign`` of the machine's CPU time
+is redone (``--retries``); each run's share and attempts are printed and kept in the JSON.
 """
 
 from __future__ import annotations
