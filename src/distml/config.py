@@ -42,7 +42,7 @@ class StrategyConfig(_Model):
     powersgd_start_iter: Annotated[int, Field(ge=1)] = 2
     grad_accum: Annotated[int, Field(ge=1)] = 1
     mixed_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    bucket_cap_mb: Annotated[float, Field(gt=0)] = 25.0
+    bucket_cap_mb: Annotated[float, Field(gt=0)] | None = None  # None: DDP's default buckets
 
 
 class TelemetryConfig(_Model):

@@ -3,7 +3,7 @@
 Every rank holds the whole model; DDP all-reduces gradient buckets as backward produces them
 (Horovod-style ring all-reduce through gloo on CPU, NCCL on GPU). Compression is a DDP
 communication hook: ``fp16``/``bf16`` halve the payload, ``powersgd`` sends low-rank factors
-(Vogels et al. 2019). Whatever the hook, a thin wrapper around it reports each bucket's payload to
+(Vogels et al. 2019). A thin wrapper around a compression hook reports each bucket's payload to
 the step recorder, so ``comm_bytes`` counts what was actually sent.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,13 +23,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distml.config import StrategyConfig
 from distml.runtime.collectives import ring_wire_bytes
 
-OnLaunch = Callable[[str, int, int], None]
-
 
 @dataclass
 class _AccountedState:
     inner: Any
-    on_launch: OnLaunch
+    accounting: Accounting
     world_size: int
     compression: str
 
@@ -49,7 +47,10 @@ def _bucket_payload(state: _AccountedState, bucket: dist.GradBucket, hook: Calla
     else:
         nbytes = buffer.numel() * buffer.element_size()
         result = hook(state.inner, bucket)
-    state.on_launch("all_reduce", nbytes, ring_wire_bytes("all_reduce", nbytes, state.world_size))
+    state.accounting.add_comm(
+        "all_reduce", nbytes, ring_wire_bytes("all_reduce", nbytes, state.world_size)
+    )
+    state.accounting.grads_ready()
     return result
 
 
@@ -68,22 +69,46 @@ def _choose_hook(cfg: StrategyConfig, group: dist.ProcessGroup | None) -> tuple[
     return default_hooks.allreduce_hook, group
 
 
+class Accounting(Protocol):
+    """Where communication is reported: the step recorder."""
+
+    def grads_ready(self) -> None: ...
+
+    def add_comm(self, collective: str, nbytes: int, wire_bytes: int) -> None: ...
+
+
 def apply_data_parallel(
     model: nn.Module,
     cfg: StrategyConfig,
     device: torch.device,
-    on_launch: OnLaunch,
+    accounting: Accounting,
     group: dist.ProcessGroup | None = None,
-) -> DDP:
-    """Wrap ``model`` (already on ``device``) in DDP with the configured, accounted comm hook."""
+) -> tuple[DDP, Callable[[], None]]:
+    """Wrap ``model`` (already on ``device``) in DDP, with its traffic accounted.
+
+    Returns the DDP model and a function to call after each synchronising backward. Without
+    compression no hook is registered: DDP's own C++ all-reduce is measurably faster than any
+    Python hook (``benchmarks/ddp_overhead.py``). Its traffic is then known exactly without one,
+    since every gradient bucket is all-reduced once per synchronising backward, and the end of
+    local compute is the moment the last gradient is accumulated.
+    """
     ddp = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         process_group=group,
         bucket_cap_mb=cfg.bucket_cap_mb,
     )
+    world = dist.get_world_size(group)
+    if cfg.compression == "none":
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda _: accounting.grads_ready())
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        wire = ring_wire_bytes("all_reduce", nbytes, world)
+        return ddp, lambda: accounting.add_comm("all_reduce", nbytes, wire)
+
     hook, inner = _choose_hook(cfg, group)
-    state = _AccountedState(inner, on_launch, dist.get_world_size(group), cfg.compression)
+    state = _AccountedState(inner, accounting, world, cfg.compression)
 
     # No annotations here: DDP checks them, and this module's postponed (string) annotations
     # would not compare equal to dist.GradBucket.
@@ -91,4 +116,4 @@ def apply_data_parallel(
         return _bucket_payload(state, bucket, hook)
 
     ddp.register_comm_hook(state, accounted)
-    return ddp
+    return ddp, lambda: None

@@ -91,6 +91,7 @@ class Context:
         self._started = time.perf_counter()
         self._last_compute = 0.0
         self._scaler: torch.amp.GradScaler | None = None
+        self._after_sync: Callable[[], None] = lambda: None
 
     # -- creation ---------------------------------------------------------------------------
     @classmethod
@@ -149,7 +150,7 @@ class Context:
         if cfg.mixed_precision == "fp16" and self.device.type != "cuda":
             raise ValueError("fp16 mixed precision needs a CUDA device; use bf16 on the CPU")
         model = model.to(self.device)
-        self.model = apply_data_parallel(model, cfg, self.device, self.recorder.comm_launched)
+        self.model, self._after_sync = apply_data_parallel(model, cfg, self.device, self.recorder)
         self.optimizer = optimizer
         if cfg.mixed_precision == "fp16":
             self._scaler = torch.amp.GradScaler("cuda")
@@ -205,6 +206,7 @@ class Context:
                 else:
                     loss.backward()
                 losses.append(loss.detach())
+        self._after_sync()
         backward_done = time.perf_counter()
         if self._scaler is not None:
             self._scaler.step(self.optimizer)

@@ -70,9 +70,12 @@ class StepRecorder:
         self._wire.clear()
         self._calls.clear()
 
-    def comm_launched(self, collective: str, nbytes: int, wire_bytes: int) -> None:
-        """A collective of ``nbytes`` payload left this rank (called from the DDP comm hook)."""
+    def grads_ready(self) -> None:
+        """This rank's gradients (so far) are computed and handed to the network."""
         self._last_launch = time.perf_counter()
+
+    def add_comm(self, collective: str, nbytes: int, wire_bytes: int) -> None:
+        """A collective with ``nbytes`` of payload from this rank took place in this step."""
         self._bytes[collective] += nbytes
         self._wire[collective] += wire_bytes
         self._calls[collective] += 1
