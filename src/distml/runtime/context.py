@@ -109,7 +109,7 @@ class Context:
         timeout = timedelta(seconds=config.timeout_s)
         if not dist.is_initialized():
             if "WORLD_SIZE" in os.environ:
-                dist.init_process_group(backend, timeout=timeout, device_id=None)
+                dist.init_process_group(backend, timeout=timeout)
             else:
                 store = dist.HashStore()
                 dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
