@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import cloudpickle
@@ -24,7 +25,13 @@ def _trampoline(payload: bytes) -> Any:
         return fn(ctx, *args, **kwargs)
 
 
-def launch(fn, *args: Any, nproc: int = 2, config: RunConfig | None = None, **settings: Any):
+def launch(
+    fn: Callable[..., T],
+    *args: Any,
+    nproc: int = 2,
+    config: RunConfig | None = None,
+    **settings: Any,
+) -> T | None:
     """Run ``fn(ctx, *args)`` in ``nproc`` worker processes and return rank 0's return value.
 
     ``settings`` are :class:`distml.config.RunConfig` fields (``max_restarts``, ``run_name``,
