@@ -190,6 +190,11 @@ def demo(
     err.print(f"report: {summary['report']}", highlight=False)
 
 
+from distml.cli.plan import plan  # noqa: E402  (registered after the helpers it uses)
+
+app.command(name="plan")(plan)
+
+
 def main() -> None:
     app()
 

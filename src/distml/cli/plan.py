@@ -1,0 +1,109 @@
+"""``distml plan``: what a layout costs, or which layouts are best, before running anything."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from distml.plan.cost_model import (
+    DEVICES,
+    Cluster,
+    Layout,
+    ModelSpec,
+    Prediction,
+    Training,
+    predict,
+)
+from distml.plan.search import rank_layouts
+
+Count = Annotated[float, typer.Option(help="Accepts scientific notation, e.g. 7.5e9.")]
+
+
+def _row(p: Prediction) -> dict:
+    return {
+        "layout": asdict(p.layout),
+        "memory_bytes": p.memory_bytes,
+        "step_time_s": p.step_time_s,
+        "tokens_per_s": p.tokens_per_s,
+        "mfu": p.mfu,
+        "comm_bytes": p.comm_bytes,
+        "bubble_fraction": p.bubble_fraction,
+        "energy_j": p.energy_j,
+        "notes": p.notes,
+    }
+
+
+def plan(
+    layers: Annotated[int, typer.Option(min=1)],
+    hidden: Annotated[int, typer.Option(min=1)],
+    heads: Annotated[int, typer.Option(min=1)],
+    seq: Annotated[int, typer.Option(min=1)],
+    vocab: Annotated[int, typer.Option(min=1)],
+    global_batch: Annotated[int, typer.Option(min=1)],
+    devices: Annotated[int, typer.Option(min=1)],
+    device: Annotated[str, typer.Option(help=f"One of: {', '.join(DEVICES)}.")] = "a100",
+    params: Count = 0.0,
+    micro_batch: Annotated[int, typer.Option(min=1)] = 1,
+    tp: Annotated[int | None, typer.Option(min=1)] = None,
+    pp: Annotated[int | None, typer.Option(min=1)] = None,
+    dp: Annotated[int | None, typer.Option(min=1)] = None,
+    zero: Annotated[int, typer.Option(min=0, max=3)] = 0,
+    recompute: Annotated[str, typer.Option(help="none, selective or full.")] = "none",
+    rank_by: Annotated[str, typer.Option(help="time or energy.")] = "time",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Predict memory, step time, traffic and energy of a layout (or rank all layouts)."""
+    from distml.cli.main import fail_usage
+
+    if device not in DEVICES:
+        fail_usage(f"unknown device {device!r}; choose one of: {', '.join(DEVICES)}")
+    if recompute not in ("none", "selective", "full") or rank_by not in ("time", "energy"):
+        fail_usage("--recompute is none|selective|full and --rank-by is time|energy")
+    model = ModelSpec(layers, hidden, heads, seq, vocab, params or None)
+    cluster = Cluster(DEVICES[device], devices)
+    training = Training(global_batch, micro_batch, recompute=recompute)  # type: ignore[arg-type]
+    try:
+        if tp or pp or dp:
+            tp, pp = tp or 1, pp or 1
+            layout = Layout(dp=dp or max(1, devices // (tp * pp)), tp=tp, pp=pp, zero=zero)
+            if heads % tp:
+                fail_usage(f"--tp {tp} does not divide --heads {heads}")
+            if pp > layers:
+                fail_usage(f"--pp {pp} is more stages than --layers {layers}")
+            best, rejected = [predict(model, cluster, training, layout)], []
+        else:
+            best, rejected = rank_layouts(model, cluster, training, rank_by)
+    except ValueError as exc:
+        fail_usage(str(exc))
+    if as_json:
+        print(
+            json.dumps(
+                {"layouts": [_row(p) for p in best], "rejected": [_row(p) for p in rejected]},
+                indent=2,
+            )
+        )
+        return
+    table = Table(title=f"{model.n_params:.3g} parameters on {devices} x {device}")
+    for col in ("dp", "tp", "pp", "zero", "memory GB", "step s", "tokens/s", "MFU", "note"):
+        table.add_column(col)
+    for p in best[:10]:
+        lay = p.layout
+        table.add_row(
+            str(lay.dp),
+            str(lay.tp),
+            str(lay.pp),
+            str(lay.zero),
+            f"{p.memory_bytes['total'] / 1e9:.1f}",
+            f"{p.step_time_s:.3f}",
+            f"{p.tokens_per_s:,.0f}",
+            f"{p.mfu:.2f}",
+            "; ".join(p.notes),
+        )
+    Console().print(table)
+    if rejected:
+        Console().print(f"{len(rejected)} layouts do not fit in {device} memory")

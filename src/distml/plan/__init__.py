@@ -1,0 +1,13 @@
+"""Predicting what a parallel layout costs before paying for it."""
+
+from distml.plan.cost_model import (
+    DEVICES,
+    Cluster,
+    Layout,
+    ModelSpec,
+    Prediction,
+    Training,
+    predict,
+)
+
+__all__ = ["DEVICES", "Cluster", "Layout", "ModelSpec", "Prediction", "Training", "predict"]

@@ -1,0 +1,244 @@
+"""An analytic cost model of one training step of a GPT-style transformer under a layout.
+
+Formulas, each from where it is published:
+
+- Model state (ZeRO, Rajbhandari et al. 2020, section 3.1): mixed-precision Adam keeps 2 bytes of
+  fp16/bf16 parameters, 2 of gradients and K = 12 of optimizer state (fp32 master copy, momentum,
+  variance) per parameter. ZeRO stage 1 partitions the optimizer state over the data-parallel
+  degree, stage 2 the gradients too, stage 3 the parameters too.
+- Activations per layer and micro-batch (Korthikanti et al. 2022, sections 4.1-4.3):
+  ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes with tensor parallelism t; with sequence parallelism
+  ``s*b*h*(34 + 5*a*s/h)/t``; with selective recomputation the ``5as/h`` attention term goes; with
+  full recomputation only the layer input ``2*s*b*h`` (divided by t with sequence parallelism).
+  A 1F1B pipeline stage keeps ``p`` micro-batches in flight, GPipe all ``m``.
+- FLOPs per step (Narayanan et al. 2021, section 5.1): ``72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h))``
+  without recomputation, ``96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h))`` with full recomputation.
+- Pipeline bubble (Narayanan et al. 2021, section 2.2): ``(p-1)/m`` of the ideal time for GPipe and
+  1F1B, ``(p-1)/(v*m)`` for the interleaved schedule with v chunks per device.
+- Ring collectives (Patarasuk and Yuan 2009): an all-reduce of n bytes over d ranks sends
+  ``2*(d-1)/d*n`` from each rank, an all-gather or reduce-scatter ``(d-1)/d*n``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    params: float | None = None  # None: 12*l*h^2 + V*h (blocks and embedding)
+
+    @property
+    def n_params(self) -> float:
+        if self.params is not None:
+            return self.params
+        return 12 * self.layers * self.hidden**2 + self.vocab * self.hidden
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    memory_bytes: float
+    peak_flops: float  # dense bf16/fp16 tensor FLOP/s, as published by the vendor
+    intra_bw: float  # bytes/s per device within a node (one direction)
+    inter_bw: float  # bytes/s per device between nodes (one direction)
+    latency_s: float
+    power_w: float
+
+
+# Vendor datasheet figures: A100 SXM 80 GB (312 TFLOP/s bf16, NVLink 600 GB/s total = 300 each
+# way, 400 W), H100 SXM (989 TFLOP/s dense bf16, NVLink 900 GB/s = 450 each way, 700 W),
+# H200 SXM (H100 compute, 141 GB, 700 W). Inter-node: one 200 Gb/s (A100) or 400 Gb/s NIC per GPU.
+DEVICES: dict[str, Device] = {
+    "a100": Device("a100", 80e9, 312e12, 300e9, 25e9, 5e-6, 400.0),
+    "h100": Device("h100", 80e9, 989e12, 450e9, 50e9, 5e-6, 700.0),
+    "h200": Device("h200", 141e9, 989e12, 450e9, 50e9, 5e-6, 700.0),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    device: Device
+    devices: int
+    devices_per_node: int = 8
+
+
+@dataclass(frozen=True)
+class Training:
+    global_batch: int
+    micro_batch: int = 1
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    optimizer: Literal["adam", "sgd"] = "adam"
+    recompute: Literal["none", "selective", "full"] = "none"
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    chunks: int = 1  # model chunks per device for the interleaved schedule
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    memory_bytes: dict[str, float]
+    flops: float
+    compute_s: float
+    comm_bytes: dict[str, float]
+    comm_s: float
+    bubble_fraction: float
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    energy_j: float
+    notes: list[str] = field(default_factory=list)
+
+
+def optimizer_bytes_per_param(training: Training) -> float:
+    """ZeRO's K: fp32 master weights + two Adam moments = 12; SGD with momentum keeps 8 (master
+    copy and momentum) in mixed precision, 4 in fp32."""
+    mixed = training.precision != "fp32"
+    if training.optimizer == "adam":
+        return 12.0 if mixed else 8.0
+    return 8.0 if mixed else 4.0
+
+
+def model_state_bytes(n_params: float, layout: Layout, training: Training) -> dict[str, float]:
+    """Parameters, gradients and optimizer state held by one device (ZeRO section 3.1)."""
+    p = BYTES[training.precision]
+    local = n_params / (layout.tp * layout.pp)
+    d = layout.dp
+    k = optimizer_bytes_per_param(training)
+    return {
+        "params": p * local / (d if layout.zero >= 3 else 1),
+        "grads": p * local / (d if layout.zero >= 2 else 1),
+        "optimizer": k * local / (d if layout.zero >= 1 else 1),
+    }
+
+
+def activation_bytes_per_layer(model: ModelSpec, training: Training, tp: int) -> float:
+    """One transformer layer's stored activations for one micro-batch (Korthikanti et al.)."""
+    s, b, h, a, t = model.seq, training.micro_batch, model.hidden, model.heads, tp
+    sp = training.sequence_parallel
+    if training.recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    attention = 0.0 if training.recompute == "selective" else 5 * a * s / h
+    if sp:
+        return s * b * h * (34 + attention) / t
+    return s * b * h * (10 + 24 / t + attention / t)
+
+
+def training_flops(model: ModelSpec, batch: int, recompute: str) -> float:
+    """Model FLOPs of one step over ``batch`` sequences (Narayanan et al. 2021, eq. 3)."""
+    s, n, h, v = model.seq, model.layers, model.hidden, model.vocab
+    if recompute == "full":
+        return 96 * batch * s * n * h**2 * (1 + s / (6 * h) + v / (16 * n * h))
+    return 72 * batch * s * n * h**2 * (1 + s / (6 * h) + v / (12 * n * h))
+
+
+def bubble_fraction(layout: Layout, microbatches: int) -> float:
+    """Idle share of the pipeline: bubble / (ideal + bubble)."""
+    p, m = layout.pp, microbatches
+    ratio = (p - 1) / (m * (layout.chunks if layout.schedule == "interleaved" else 1))
+    return ratio / (1 + ratio)
+
+
+def ring(collective: str, nbytes: float, ranks: int) -> float:
+    if ranks <= 1:
+        return 0.0
+    factor = 2 * (ranks - 1) / ranks if collective == "all_reduce" else (ranks - 1) / ranks
+    return factor * nbytes
+
+
+def predict(model: ModelSpec, cluster: Cluster, training: Training, layout: Layout) -> Prediction:
+    """Memory, time, traffic and energy of one optimizer step under ``layout``."""
+    if layout.world != cluster.devices:
+        raise ValueError(
+            f"dp x tp x pp = {layout.dp} x {layout.tp} x {layout.pp} = {layout.world}, "
+            f"but the cluster has {cluster.devices} devices"
+        )
+    per_replica = training.global_batch // layout.dp
+    if per_replica * layout.dp != training.global_batch or per_replica % training.micro_batch:
+        raise ValueError(
+            f"global batch {training.global_batch} does not split into dp={layout.dp} replicas "
+            f"of micro-batches of {training.micro_batch}"
+        )
+    m = per_replica // training.micro_batch
+    device = cluster.device
+    p_bytes = BYTES[training.precision]
+
+    memory = model_state_bytes(model.n_params, layout, training)
+    in_flight = m if layout.schedule == "gpipe" else min(m, layout.pp)
+    layers_here = model.layers / layout.pp
+    memory["activations"] = (
+        activation_bytes_per_layer(model, training, layout.tp) * layers_here * in_flight
+    )
+    memory["total"] = sum(memory.values())
+
+    flops = training_flops(model, training.global_batch, training.recompute)
+    compute_s = flops / cluster.devices / device.peak_flops
+    bubble = bubble_fraction(layout, m)
+
+    local_params = model.n_params / (layout.tp * layout.pp)
+    grad_bytes = p_bytes * local_params
+    dp_collective = {0: "all_reduce", 1: "all_reduce", 2: "reduce_scatter", 3: "reduce_scatter"}
+    comm = {
+        f"dp_{dp_collective[layout.zero]}": ring(dp_collective[layout.zero], grad_bytes, layout.dp)
+    }
+    if layout.zero >= 1:
+        comm["dp_all_gather"] = ring("all_gather", grad_bytes, layout.dp) * (
+            2 if layout.zero == 3 else 1
+        )
+    act = p_bytes * training.micro_batch * model.seq * model.hidden
+    # Megatron TP: 2 all-reduces forward and 2 backward per layer and micro-batch.
+    comm["tp_all_reduce"] = 4 * layers_here * m * ring("all_reduce", act, layout.tp)
+    comm["pp_send_recv"] = 2 * m * act if layout.pp > 1 else 0.0
+    comm = {k: v for k, v in comm.items() if v}
+
+    tp_inside_node = layout.tp <= cluster.devices_per_node
+    tp_bw = device.intra_bw if tp_inside_node else device.inter_bw
+    dp_bw = device.intra_bw if layout.world <= cluster.devices_per_node else device.inter_bw
+    comm_s = comm.get("tp_all_reduce", 0.0) / tp_bw + comm.get("pp_send_recv", 0.0) / dp_bw
+    comm_s += sum(v for k, v in comm.items() if k.startswith("dp_")) / dp_bw
+    step = (compute_s + comm_s) / (1 - bubble)
+    tokens = training.global_batch * model.seq
+    model_flops = training_flops(model, training.global_batch, "none")
+    notes = []
+    if memory["total"] > device.memory_bytes:
+        notes.append(f"needs {memory['total'] / 1e9:.1f} GB of {device.memory_bytes / 1e9:.0f} GB")
+    return Prediction(
+        layout=layout,
+        memory_bytes=memory,
+        flops=flops,
+        compute_s=compute_s,
+        comm_bytes=comm,
+        comm_s=comm_s,
+        bubble_fraction=bubble,
+        step_time_s=step,
+        tokens_per_s=tokens / step,
+        mfu=model_flops / (step * cluster.devices * device.peak_flops),
+        energy_j=step * cluster.devices * device.power_w,
+        notes=notes,
+    )
+
+
+def days_to_train(tokens: float, params: float, devices: int, flops_per_device: float) -> float:
+    """End-to-end training time with recomputation, ``8*T*P/(n*X)`` (Narayanan et al. 2021)."""
+    return 8 * tokens * params / (devices * flops_per_device) / 86400

@@ -1,0 +1,37 @@
+"""Enumerate the layouts of a cluster and rank those that fit by predicted step time."""
+
+from __future__ import annotations
+
+from distml.plan.cost_model import Cluster, Layout, ModelSpec, Prediction, Training, predict
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(model: ModelSpec, cluster: Cluster, training: Training) -> list[Layout]:
+    """Every dp x tp x pp = devices with tp dividing the heads, pp at most the layers, and a
+    global batch that splits into whole micro-batches per replica; ZeRO stages 0-3."""
+    out = []
+    for tp in divisors(cluster.devices):
+        if model.heads % tp:
+            continue
+        for pp in divisors(cluster.devices // tp):
+            dp = cluster.devices // (tp * pp)
+            if pp > model.layers or training.global_batch % (dp * training.micro_batch):
+                continue
+            out.extend(Layout(dp=dp, tp=tp, pp=pp, zero=z) for z in range(4))
+    return out
+
+
+def rank_layouts(
+    model: ModelSpec, cluster: Cluster, training: Training, by: str = "time"
+) -> tuple[list[Prediction], list[Prediction]]:
+    """(layouts that fit, best first; layouts that do not fit in device memory)."""
+    preds = [
+        predict(model, cluster, training, lay)
+        for lay in candidate_layouts(model, cluster, training)
+    ]
+    fits = [p for p in preds if p.memory_bytes["total"] <= cluster.device.memory_bytes]
+    key = (lambda p: p.energy_j) if by == "energy" else (lambda p: p.step_time_s)
+    return sorted(fits, key=key), [p for p in preds if p not in fits]

@@ -1,0 +1,70 @@
+"""The cost model against the worked numbers its papers publish."""
+
+from __future__ import annotations
+
+import pytest
+
+from distml.plan import DEVICES, Cluster, Layout, ModelSpec, Training, predict
+from distml.plan.cost_model import (
+    activation_bytes_per_layer,
+    bubble_fraction,
+    days_to_train,
+    model_state_bytes,
+    training_flops,
+)
+
+GPT3 = ModelSpec(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, params=175e9)
+
+
+@pytest.mark.parametrize("zero,gigabytes", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.88)])
+def test_zero_paper_figure_1_7_5b_params_on_64_gpus(zero, gigabytes):
+    # Rajbhandari et al. 2020, Figure 1: Psi = 7.5B, K = 12, Nd = 64.
+    state = model_state_bytes(7.5e9, Layout(dp=64, zero=zero), Training(global_batch=64))
+    assert sum(state.values()) / 1e9 == pytest.approx(gigabytes, abs=0.05)  # paper rounds
+
+
+def test_korthikanti_activations():
+    t, b = 8, 1
+    s, h, a = GPT3.seq, GPT3.hidden, GPT3.heads
+    full_sp = activation_bytes_per_layer(GPT3, Training(1, b, sequence_parallel=True), t)
+    assert full_sp == pytest.approx(s * b * h * (34 + 5 * a * s / h) / t)
+    no_tp = activation_bytes_per_layer(GPT3, Training(1, b), 1)
+    assert no_tp == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    # Section 5: selective recomputation saves about 70% of GPT-3's activation memory.
+    selective = activation_bytes_per_layer(
+        GPT3, Training(1, b, recompute="selective", sequence_parallel=True), t
+    )
+    assert 1 - selective / full_sp == pytest.approx(0.70, abs=0.01)
+    full = activation_bytes_per_layer(GPT3, Training(1, b, recompute="full"), t)
+    assert full == 2 * s * b * h
+
+
+def test_narayanan_training_time_estimates():
+    # Section 5.1: GPT-3 (175B, 300B tokens) on 1024 A100s at 140 TFLOP/s: about 34 days;
+    # 1T parameters, 450B tokens, 3072 GPUs at 163 TFLOP/s: about 84 days.
+    assert days_to_train(300e9, 175e9, 1024, 140e12) == pytest.approx(34, abs=0.5)
+    assert days_to_train(450e9, 1e12, 3072, 163e12) == pytest.approx(84, abs=1.0)
+    # Their FLOPs formula tends to 8 x tokens x params when h dominates s and V/l.
+    flops = training_flops(GPT3, 1536, "full")
+    approx = 8 * 1536 * GPT3.seq * 12 * GPT3.layers * GPT3.hidden**2
+    assert flops / approx == pytest.approx(1 + 2048 / (6 * 12288) + 51200 / (16 * 96 * 12288))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 8)])
+def test_bubble_is_p_minus_1_over_m_plus_p_minus_1(p, m):
+    assert bubble_fraction(Layout(pp=p), m) == pytest.approx((p - 1) / (m + p - 1))
+    interleaved = bubble_fraction(Layout(pp=p, schedule="interleaved", chunks=2), m)
+    assert interleaved == pytest.approx((p - 1) / (2 * m + p - 1))
+
+
+def test_prediction_of_a_layout():
+    cluster = Cluster(DEVICES["a100"], devices=64)
+    train = Training(global_batch=512, micro_batch=1, recompute="selective", sequence_parallel=True)
+    model = ModelSpec(layers=32, hidden=4096, heads=32, seq=2048, vocab=51200)
+    pred = predict(model, cluster, train, Layout(dp=8, tp=8, pp=1, zero=1))
+    assert pred.memory_bytes["total"] < 80e9 and not pred.notes
+    assert 0 < pred.mfu <= 1 and pred.tokens_per_s > 0
+    assert pred.comm_bytes["tp_all_reduce"] > pred.comm_bytes["dp_all_reduce"]
+    assert pred.energy_j == pytest.approx(pred.step_time_s * 64 * 400)
+    with pytest.raises(ValueError, match="= 32, but the cluster has 64"):
+        predict(model, cluster, train, Layout(dp=4, tp=8))

@@ -1,0 +1,51 @@
+"""distml plan: one layout, or the ranking of all layouts, and its bad input."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from distml.cli.main import app
+
+MODEL = [
+    "--layers",
+    "32",
+    "--hidden",
+    "4096",
+    "--heads",
+    "32",
+    "--seq",
+    "2048",
+    "--vocab",
+    "51200",
+    "--global-batch",
+    "512",
+    "--devices",
+    "64",
+]
+
+
+def test_one_layout_as_json():
+    out = CliRunner().invoke(app, ["plan", *MODEL, "--tp", "8", "--zero", "1", "--json"])
+    assert out.exit_code == 0, out.output
+    (row,) = json.loads(out.output)["layouts"]
+    assert row["layout"]["dp"] == 8 and row["layout"]["tp"] == 8
+    assert set(row["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "total"}
+    assert row["step_time_s"] > 0 and 0 < row["mfu"] <= 1
+
+
+def test_ranking_is_sorted_and_only_holds_layouts_that_fit():
+    out = CliRunner().invoke(app, ["plan", *MODEL, "--params", "6.7e9", "--json"])
+    assert out.exit_code == 0, out.output
+    layouts = json.loads(out.output)["layouts"]
+    times = [r["step_time_s"] for r in layouts]
+    assert times == sorted(times) and len(layouts) > 10
+    assert all(r["memory_bytes"]["total"] <= 80e9 for r in layouts)
+
+
+def test_impossible_layouts_are_refused_with_the_numbers():
+    out = CliRunner().invoke(app, ["plan", *MODEL, "--tp", "3"])
+    assert out.exit_code == 2 and "--tp 3 does not divide --heads 32" in out.output
+    out = CliRunner().invoke(app, ["plan", *MODEL, "--tp", "8", "--pp", "2", "--dp", "2"])
+    assert out.exit_code == 2 and "= 32, but the cluster has 64" in out.output
