@@ -68,3 +68,11 @@ def test_prediction_of_a_layout():
     assert pred.energy_j == pytest.approx(pred.step_time_s * 64 * 400)
     with pytest.raises(ValueError, match="= 32, but the cluster has 64"):
         predict(model, cluster, train, Layout(dp=4, tp=8))
+
+
+def test_data_parallel_traffic_hides_behind_backward_until_it_outlasts_it():
+    model = ModelSpec(layers=4, hidden=1024, heads=8, seq=512, vocab=1000)
+    cluster = Cluster(DEVICES["a100"], devices=8)
+    pred = predict(model, cluster, Training(global_batch=64), Layout(dp=8))
+    assert pred.comm_exposed_s == pytest.approx(max(0.0, pred.comm_s - pred.compute_s * 2 / 3))
+    assert pred.step_time_s == pytest.approx(pred.compute_s + pred.comm_exposed_s)

@@ -190,9 +190,10 @@ def demo(
     err.print(f"report: {summary['report']}", highlight=False)
 
 
-from distml.cli.plan import plan  # noqa: E402  (registered after the helpers it uses)
+from distml.cli.plan import bench, plan  # noqa: E402  (registered after the helpers it uses)
 
 app.command(name="plan")(plan)
+app.command(name="bench")(bench)
 
 
 def main() -> None:

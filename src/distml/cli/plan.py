@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from distml.plan.bench import read_cluster_file
 from distml.plan.cost_model import (
     DEVICES,
     Cluster,
@@ -32,6 +34,8 @@ def _row(p: Prediction) -> dict:
         "tokens_per_s": p.tokens_per_s,
         "mfu": p.mfu,
         "comm_bytes": p.comm_bytes,
+        "comm_s": p.comm_s,
+        "comm_exposed_s": p.comm_exposed_s,
         "bubble_fraction": p.bubble_fraction,
         "energy_j": p.energy_j,
         "notes": p.notes,
@@ -45,8 +49,11 @@ def plan(
     seq: Annotated[int, typer.Option(min=1)],
     vocab: Annotated[int, typer.Option(min=1)],
     global_batch: Annotated[int, typer.Option(min=1)],
-    devices: Annotated[int, typer.Option(min=1)],
+    devices: Annotated[int, typer.Option(min=1)] = 1,
     device: Annotated[str, typer.Option(help=f"One of: {', '.join(DEVICES)}.")] = "a100",
+    cluster_file: Annotated[
+        Path | None, typer.Option("--cluster", help="A cluster file from `distml bench`.")
+    ] = None,
     params: Count = 0.0,
     micro_batch: Annotated[int, typer.Option(min=1)] = 1,
     tp: Annotated[int | None, typer.Option(min=1)] = None,
@@ -60,12 +67,19 @@ def plan(
     """Predict memory, step time, traffic and energy of a layout (or rank all layouts)."""
     from distml.cli.main import fail_usage
 
-    if device not in DEVICES:
+    if cluster_file is not None:
+        try:
+            cluster = read_cluster_file(cluster_file)
+        except ValueError as exc:
+            fail_usage(str(exc))
+        devices, device = cluster.devices, cluster.device.name
+    elif device not in DEVICES:
         fail_usage(f"unknown device {device!r}; choose one of: {', '.join(DEVICES)}")
+    else:
+        cluster = Cluster(DEVICES[device], devices)
     if recompute not in ("none", "selective", "full") or rank_by not in ("time", "energy"):
         fail_usage("--recompute is none|selective|full and --rank-by is time|energy")
     model = ModelSpec(layers, hidden, heads, seq, vocab, params or None)
-    cluster = Cluster(DEVICES[device], devices)
     training = Training(global_batch, micro_batch, recompute=recompute)  # type: ignore[arg-type]
     try:
         if tp or pp or dp:
@@ -107,3 +121,30 @@ def plan(
     Console().print(table)
     if rejected:
         Console().print(f"{len(rejected)} layouts do not fit in {device} memory")
+
+
+def bench(
+    nproc: Annotated[int, typer.Option(min=2, help="Worker processes (>= 2 for the network).")] = 2,
+    out: Annotated[Path, typer.Option(help="Where to write the cluster file.")] = Path(
+        "cluster.toml"
+    ),
+) -> None:
+    """Measure this machine (matmul FLOP/s, all-reduce and point-to-point bandwidth, latency,
+    memory) and write a cluster file that `distml plan --cluster` reads."""
+    from distml.launch.api import launch
+    from distml.plan.bench import measure, write_cluster_file
+
+    result = launch(
+        lambda ctx: measure(),
+        nproc=nproc,
+        runs_dir=Path("runs"),
+        run_name=f"bench-{nproc}",
+        telemetry={"progress": False},
+    )
+    write_cluster_file(result, out)
+    dev = result["device"]
+    Console().print(
+        f"matmul {dev['peak_flops'] / 1e9:.1f} GFLOP/s per worker, all-reduce bus "
+        f"{dev['intra_bw'] / 1e9:.2f} GB/s, point-to-point {result['measured']['p2p_bw'] / 1e9:.2f}"
+        f" GB/s, latency {dev['latency_s'] * 1e6:.0f} us -> {out}"
+    )

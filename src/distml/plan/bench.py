@@ -1,0 +1,131 @@
+"""Measuring this machine for the cost model: matmul FLOP/s, collective and point-to-point
+bandwidth, latency, memory. The result is a cluster file (TOML) that ``distml plan`` reads.
+
+Bus bandwidth follows the NCCL-tests definition: an all-reduce of n bytes over d ranks in t
+seconds moves ``2*(d-1)/d * n / t`` bytes per second through each rank's link.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+import torch
+import torch.distributed as dist
+
+from distml.plan.cost_model import Cluster, Device
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs, after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def matmul_flops(device: torch.device, n: int = 1024, repeats: int = 5) -> float:
+    """Dense matmul FLOP/s of one worker (bf16 on GPU, fp32 on CPU)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def step() -> None:
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    return 2 * n**3 / _timed(step, repeats)
+
+
+def network(device: torch.device, sizes_mb=(1, 4, 16), repeats: int = 5) -> dict[str, float]:
+    """All-reduce bus bandwidth, point-to-point bandwidth (ranks 0 and 1) and small-message
+    latency, measured inside a running process group; the same result on every rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    bus, p2p = [], []
+    for mb in sizes_mb:
+        x = torch.ones(mb * 2**18, device=device)  # fp32: mb MiB
+        nbytes = x.numel() * 4
+        t = _timed(lambda x=x: dist.all_reduce(x), repeats)
+        bus.append(2 * (world - 1) / world * nbytes / t)
+
+        def ping(x=x) -> None:
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            elif rank == 1:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+
+        p2p.append(2 * nbytes / _timed(ping, repeats))
+    tiny = torch.ones(1, device=device)
+    latency = _timed(lambda: dist.all_reduce(tiny), repeats * 4)
+    out = torch.tensor([max(bus), max(p2p), latency], dtype=torch.float64, device=device)
+    dist.broadcast(out, 0)
+    return {"allreduce_bus_bw": out[0].item(), "p2p_bw": out[1].item(), "latency_s": out[2].item()}
+
+
+def measure(watts_per_core: float = 10.0) -> dict[str, Any]:
+    """Run inside every worker of a launched world; rank 0's result describes the machine."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    flops = matmul_flops(device)
+    net = network(device)
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+        name = torch.cuda.get_device_name(device)
+        power = 700.0
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / dist.get_world_size()
+        name = "cpu"
+        power = watts_per_core * torch.get_num_threads()
+    return {
+        "devices": dist.get_world_size(),
+        "devices_per_node": dist.get_world_size(),
+        "device": {
+            "name": name,
+            "memory_bytes": float(memory),
+            "peak_flops": flops,
+            "intra_bw": net["allreduce_bus_bw"],
+            "inter_bw": net["allreduce_bus_bw"],
+            "latency_s": net["latency_s"],
+            "power_w": power,
+        },
+        "measured": {"p2p_bw": net["p2p_bw"], "matmul_n": 1024},
+    }
+
+
+def write_cluster_file(result: dict[str, Any], path: Path) -> Path:
+    path = Path(path)
+    path.write_text(tomli_w.dumps(result))
+    return path
+
+
+def read_cluster_file(path: Path) -> Cluster:
+    """A Cluster from a file written by ``distml bench`` (or by hand, in the same shape)."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+        dev = data["device"]
+        device = Device(
+            str(dev["name"]),
+            float(dev["memory_bytes"]),
+            float(dev["peak_flops"]),
+            float(dev["intra_bw"]),
+            float(dev["inter_bw"]),
+            float(dev["latency_s"]),
+            float(dev["power_w"]),
+        )
+        return Cluster(device, int(data["devices"]), int(data.get("devices_per_node", 8)))
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"cluster file {path}: {exc!r}") from None
