@@ -49,3 +49,15 @@ def test_impossible_layouts_are_refused_with_the_numbers():
     assert out.exit_code == 2 and "--tp 3 does not divide --heads 32" in out.output
     out = CliRunner().invoke(app, ["plan", *MODEL, "--tp", "8", "--pp", "2", "--dp", "2"])
     assert out.exit_code == 2 and "= 32, but the cluster has 64" in out.output
+
+
+def test_simulate_draws_the_timeline_and_reports_the_bubble(tmp_path):
+    gantt = tmp_path / "g.png"
+    out = CliRunner().invoke(
+        app, ["simulate", "--stages", "4", "--microbatches", "8", "--gantt", str(gantt)]
+    )
+    assert out.exit_code == 0, out.output
+    assert "bubble 27.3% (formula (p-1)/(m+p-1) = 27.3%)" in out.output
+    assert gantt.read_bytes()[:4] == b"\x89PNG"
+    bad = CliRunner().invoke(app, ["simulate", "--schedule", "zigzag"])
+    assert bad.exit_code == 2 and "unknown schedule" in bad.output

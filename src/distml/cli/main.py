@@ -190,10 +190,11 @@ def demo(
     err.print(f"report: {summary['report']}", highlight=False)
 
 
-from distml.cli.plan import bench, plan  # noqa: E402  (registered after the helpers it uses)
+from distml.cli.plan import bench, plan, simulate  # noqa: E402  (after the helpers it uses)
 
 app.command(name="plan")(plan)
 app.command(name="bench")(bench)
+app.command(name="simulate")(simulate)
 
 
 def main() -> None:

@@ -148,3 +148,56 @@ def bench(
         f"{dev['intra_bw'] / 1e9:.2f} GB/s, point-to-point {result['measured']['p2p_bw'] / 1e9:.2f}"
         f" GB/s, latency {dev['latency_s'] * 1e6:.0f} us -> {out}"
     )
+
+
+def simulate(
+    stages: Annotated[int, typer.Option(min=1, help="Pipeline stages.")] = 4,
+    microbatches: Annotated[int, typer.Option(min=1)] = 8,
+    schedule: Annotated[str, typer.Option(help="gpipe or 1f1b.")] = "1f1b",
+    gantt: Annotated[Path, typer.Option(help="Where to draw the step's timeline.")] = Path(
+        "pipeline.png"
+    ),
+    workers: Annotated[int, typer.Option(min=1, help="Workers for the straggler study.")] = 64,
+    backup: Annotated[int, typer.Option(min=0, help="Backup workers.")] = 2,
+    mtbf_s: Annotated[float, typer.Option(min=1, help="Mean time between failures, job.")] = 3600,
+    checkpoint_s: Annotated[float, typer.Option(min=0, help="Seconds to write a checkpoint.")] = 60,
+    restart_s: Annotated[float, typer.Option(min=0, help="Seconds to restart.")] = 30,
+) -> None:
+    """Simulate a pipeline step (Gantt chart), stragglers, and failures with checkpoints."""
+    from distml.cli.main import fail_usage
+    from distml.plan.simulator import (
+        bubble_of,
+        draw_gantt,
+        simulate_failures,
+        simulate_pipeline,
+        simulate_stragglers,
+        young_daly_interval,
+    )
+
+    if schedule not in ("gpipe", "1f1b"):
+        fail_usage(f"unknown schedule {schedule!r}: gpipe or 1f1b")
+    console = Console()
+    tasks = simulate_pipeline(stages, microbatches, schedule=schedule)
+    draw_gantt(tasks, stages, gantt)
+    formula = (stages - 1) / (microbatches + stages - 1)
+    console.print(
+        f"pipeline {schedule}: bubble {bubble_of(tasks, stages):.1%} "
+        f"(formula (p-1)/(m+p-1) = {formula:.1%}); timeline: {gantt}"
+    )
+    rates = simulate_stragglers(workers, steps=200, backup=backup)
+    console.print(
+        "stragglers, worker-steps per unit time: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in rates.items())
+    )
+    optimum = young_daly_interval(checkpoint_s, mtbf_s)
+    table = Table(title=f"goodput vs checkpoint interval (Young/Daly optimum {optimum:.0f} s)")
+    table.add_column("interval s")
+    table.add_column("goodput")
+    for factor in (0.25, 0.5, 1.0, 2.0, 4.0):
+        interval = optimum * factor
+        runs = [
+            simulate_failures(100 * mtbf_s, interval, checkpoint_s, restart_s, mtbf_s, seed=s)
+            for s in range(10)
+        ]
+        table.add_row(f"{interval:.0f}", f"{sum(runs) / len(runs):.3f}")
+    console.print(table)
