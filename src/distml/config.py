@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 CONFIG_ENV = "DISTML_CONFIG"
 
-STRATEGIES = ("ddp",)
+STRATEGIES = ("ddp", "local-sgd")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 PRECISIONS = ("fp32", "bf16", "fp16")
 MESH_DIMS = ("dp", "fsdp", "tp", "pp")
@@ -34,15 +34,25 @@ class _Model(BaseModel):
 
 
 class StrategyConfig(_Model):
-    """How the model is distributed. ``ddp``: synchronous data parallelism (all-reduce)."""
+    """How the model is distributed. ``ddp``: synchronous data parallelism (all-reduce every
+    step). ``local-sgd``: H local steps, then averaged parameters through an outer optimizer."""
 
-    name: Literal["ddp"] = "ddp"
+    name: Literal["ddp", "local-sgd"] = "ddp"
     compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
     powersgd_rank: Annotated[int, Field(ge=1)] = 2
     powersgd_start_iter: Annotated[int, Field(ge=1)] = 2
     grad_accum: Annotated[int, Field(ge=1)] = 1
     mixed_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     bucket_cap_mb: Annotated[float, Field(gt=0)] | None = None  # None: DDP's default buckets
+    sync_every: Annotated[int, Field(ge=1)] = 8  # local-sgd: H
+    outer_lr: Annotated[float, Field(gt=0)] = 1.0  # local-sgd: 1.0 and no momentum = averaging
+    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0  # DiLoCo: 0.9 (Nesterov)
+
+    @model_validator(mode="after")
+    def _fits_strategy(self) -> StrategyConfig:
+        if self.name == "local-sgd" and self.compression != "none":
+            raise ValueError("local-sgd averages parameters; gradient compression is for ddp")
+        return self
 
 
 class TelemetryConfig(_Model):
@@ -170,11 +180,14 @@ def parse_straggler(text: str) -> tuple[int, float]:
 
 
 def parse_strategy(text: str) -> dict[str, object]:
-    """``"ddp"`` or ``"ddp:compression=fp16,grad_accum=2"`` -> StrategyConfig fields."""
+    """``"ddp"``, ``"ddp:compression=fp16,grad_accum=2"``, ``"local-sgd:8"`` (H = 8) or
+    ``"local-sgd:sync_every=8,outer_momentum=0.9"`` -> StrategyConfig fields."""
     name, _, options = text.partition(":")
     if name not in STRATEGIES:
         raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
     fields: dict[str, object] = {"name": name}
+    if name == "local-sgd" and options.strip().isdigit():
+        return {**fields, "sync_every": options.strip()}
     for part in filter(None, (p.strip() for p in options.split(","))):
         key, sep, value = part.partition("=")
         if not sep:

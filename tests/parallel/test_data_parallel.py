@@ -41,11 +41,11 @@ def train_worker(ctx: distml.Context, steps: int, batch: int) -> dict:
     return {"params": flat_params(model.module), "summary": summary}
 
 
-def single_process(steps: int, batch: int) -> torch.Tensor:
+def single_process(steps: int, batch: int, momentum: float = 0.9) -> torch.Tensor:
     """The same training in one plain-torch process: seeded init, shuffled batches, SGD."""
     torch.manual_seed(0)
     model = MLP(SIZES)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     data = dataset()
     step, epoch = 0, 0
     while step < steps:

@@ -77,16 +77,30 @@ class Accounting(Protocol):
     def add_comm(self, collective: str, nbytes: int, wire_bytes: int) -> None: ...
 
 
+class DataParallel:
+    """The strategy object Context drives: DDP, plus what to account after each backward."""
+
+    def __init__(self, ddp: DDP, after_backward: Callable[[], None]):
+        self.model = ddp
+        self.after_backward = after_backward
+
+    def no_sync(self):
+        return self.model.no_sync()
+
+    def after_optimizer_step(self) -> float:
+        return 0.0  # DDP communicated during backward
+
+
 def apply_data_parallel(
     model: nn.Module,
     cfg: StrategyConfig,
     device: torch.device,
     accounting: Accounting,
     group: dist.ProcessGroup | None = None,
-) -> tuple[DDP, Callable[[], None]]:
+) -> DataParallel:
     """Wrap ``model`` (already on ``device``) in DDP, with its traffic accounted.
 
-    Returns the DDP model and a function to call after each synchronising backward. Without
+    Without
     compression no hook is registered: DDP's own C++ all-reduce is measurably faster than any
     Python hook (``benchmarks/ddp_overhead.py``). Its traffic is then known exactly without one,
     since every gradient bucket is all-reduced once per synchronising backward, and the end of
@@ -105,7 +119,7 @@ def apply_data_parallel(
             p.register_post_accumulate_grad_hook(lambda _: accounting.grads_ready())
         nbytes = sum(p.numel() * p.element_size() for p in params)
         wire = ring_wire_bytes("all_reduce", nbytes, world)
-        return ddp, lambda: accounting.add_comm("all_reduce", nbytes, wire)
+        return DataParallel(ddp, lambda: accounting.add_comm("all_reduce", nbytes, wire))
 
     hook, inner = _choose_hook(cfg, group)
     state = _AccountedState(inner, accounting, world, cfg.compression)
@@ -116,4 +130,4 @@ def apply_data_parallel(
         return _bucket_payload(state, bucket, hook)
 
     ddp.register_comm_hook(state, accounted)
-    return ddp, lambda: None
+    return DataParallel(ddp, lambda: None)

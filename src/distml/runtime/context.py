@@ -32,7 +32,8 @@ from torch.utils.data import Dataset
 
 from distml.config import RunConfig, config_from_env
 from distml.data.loader import ShardedLoader
-from distml.parallel.data import apply_data_parallel
+from distml.parallel.data import DataParallel, apply_data_parallel
+from distml.parallel.local_sgd import LocalSGD
 from distml.runtime.progress import Progress
 from distml.runtime.run_files import write_run_files
 from distml.telemetry.energy import open_energy_meter
@@ -91,7 +92,7 @@ class Context:
         self._started = time.perf_counter()
         self._last_compute = 0.0
         self._scaler: torch.amp.GradScaler | None = None
-        self._after_sync: Callable[[], None] = lambda: None
+        self._strategy: DataParallel | LocalSGD | None = None
 
     # -- creation ---------------------------------------------------------------------------
     @classmethod
@@ -145,12 +146,17 @@ class Context:
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Apply the run's strategy to ``model`` (synchronous data parallelism through DDP)."""
+        """Apply the run's strategy to ``model``: synchronous data parallelism through DDP, or
+        Local SGD / DiLoCo (``--strategy local-sgd:H``)."""
         cfg = self.config.strategy
         if cfg.mixed_precision == "fp16" and self.device.type != "cuda":
             raise ValueError("fp16 mixed precision needs a CUDA device; use bf16 on the CPU")
         model = model.to(self.device)
-        self.model, self._after_sync = apply_data_parallel(model, cfg, self.device, self.recorder)
+        if cfg.name == "local-sgd":
+            self._strategy = LocalSGD(model, cfg, self.recorder)
+        else:
+            self._strategy = apply_data_parallel(model, cfg, self.device, self.recorder)
+        self.model = self._strategy.model
         self.optimizer = optimizer
         if cfg.mixed_precision == "fp16":
             self._scaler = torch.amp.GradScaler("cuda")
@@ -196,7 +202,7 @@ class Context:
         losses = []
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            with nullcontext() if last else self.model.no_sync():
+            with nullcontext() if last else self._strategy.no_sync():
                 with self._autocast():
                     loss = compute_loss(micro)
                 if parts > 1:  # weight by size: micro-batches of a split may differ by one
@@ -206,7 +212,7 @@ class Context:
                 else:
                     loss.backward()
                 losses.append(loss.detach())
-        self._after_sync()
+        self._strategy.after_backward()
         backward_done = time.perf_counter()
         if self._scaler is not None:
             self._scaler.step(self.optimizer)
@@ -214,6 +220,7 @@ class Context:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        rec.add_exposed(self._strategy.after_optimizer_step())
         value = float(sum(losses)) if parts > 1 else losses[0].item()
         record = rec.end_step(self.step, value, total, backward_done)
         self._last_compute = record.compute_s - slept

@@ -58,6 +58,7 @@ class StepRecorder:
         self._t0 = 0.0
         self._energy0 = 0.0
         self._last_launch: float | None = None
+        self._exposed_extra = 0.0
         self._bytes: dict[str, int] = defaultdict(int)
         self._wire: dict[str, int] = defaultdict(int)
         self._calls: dict[str, int] = defaultdict(int)
@@ -66,6 +67,7 @@ class StepRecorder:
         self._t0 = time.perf_counter()
         self._energy0 = self.energy.read()
         self._last_launch = None
+        self._exposed_extra = 0.0
         self._bytes.clear()
         self._wire.clear()
         self._calls.clear()
@@ -80,10 +82,14 @@ class StepRecorder:
         self._wire[collective] += wire_bytes
         self._calls[collective] += 1
 
+    def add_exposed(self, seconds: float) -> None:
+        """Communication outside backward (a Local SGD sync) that this step waited for."""
+        self._exposed_extra += seconds
+
     def end_step(self, step: int, loss: float, samples: int, backward_done: float) -> StepRecord:
         end = time.perf_counter()
         local_done = self._last_launch if self._last_launch is not None else backward_done
-        exposed = max(0.0, backward_done - local_done)
+        exposed = max(0.0, backward_done - local_done) + self._exposed_extra
         record = StepRecord(
             step=step,
             rank=self.rank,

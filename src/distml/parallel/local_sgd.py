@@ -1,0 +1,75 @@
+"""Local SGD and DiLoCo: workers train alone for H steps, then average what they learned.
+
+Every ``sync_every`` (H) optimizer steps, each worker's *pseudo-gradient* -- the global parameters
+minus its local ones -- is averaged with one all-reduce and applied to the global parameters by an
+outer optimizer; the result becomes every worker's new starting point. With an outer SGD of
+learning rate 1 and no momentum this is plain model averaging (Local SGD: Stich 2019, Lin et al.
+2020); with Nesterov momentum it is DiLoCo (Douillard et al. 2023, who use lr 0.7, momentum 0.9).
+The inner optimizer and its state stay local. Communication falls by a factor H against
+all-reducing gradients every step.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distml.config import StrategyConfig
+from distml.parallel.data import Accounting
+from distml.runtime.collectives import ring_wire_bytes
+
+
+class LocalSGD:
+    """The strategy object Context drives: no per-step communication, a sync every H steps."""
+
+    def __init__(self, model: nn.Module, cfg: StrategyConfig, accounting: Accounting):
+        self.model = model
+        self.every = cfg.sync_every
+        self.accounting = accounting
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        for p in self.params:  # start from rank 0's parameters, whatever each rank initialised
+            dist.broadcast(p.data, 0)
+        self.global_params = [p.detach().clone() for p in self.params]
+        self.outer = torch.optim.SGD(
+            self.global_params,
+            lr=cfg.outer_lr,
+            momentum=cfg.outer_momentum,
+            nesterov=cfg.outer_momentum > 0,
+        )
+        self.world = dist.get_world_size()
+        self.steps = 0
+
+    def no_sync(self):
+        return nullcontext()
+
+    def after_backward(self) -> None:
+        self.accounting.grads_ready()
+
+    def after_optimizer_step(self) -> float:
+        """Count the step; every H steps, sync. Returns the seconds spent synchronising."""
+        self.steps += 1
+        if self.steps % self.every:
+            return 0.0
+        start = time.perf_counter()
+        with torch.no_grad():
+            deltas = [g - p for g, p in zip(self.global_params, self.params, strict=True)]
+            flat = torch.cat([d.reshape(-1) for d in deltas])
+            flat /= self.world
+            dist.all_reduce(flat)
+            offset = 0
+            for g, d in zip(self.global_params, deltas, strict=True):
+                g.grad = flat[offset : offset + d.numel()].view_as(d)
+                offset += d.numel()
+            self.outer.step()
+            self.outer.zero_grad(set_to_none=True)
+            for g, p in zip(self.global_params, self.params, strict=True):
+                p.copy_(g)
+        nbytes = flat.numel() * flat.element_size()
+        self.accounting.add_comm(
+            "all_reduce", nbytes, ring_wire_bytes("all_reduce", nbytes, self.world)
+        )
+        return time.perf_counter() - start
