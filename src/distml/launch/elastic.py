@@ -106,8 +106,7 @@ def launch_config(config: RunConfig, attempt: int, local_addr: str) -> LaunchCon
         rdzv_configs["rank"] = config.node_rank
     else:
         backend, endpoint = "c10d", config.rdzv_endpoint
-        host, port = parse_endpoint(endpoint)
-        rdzv_configs["is_host"] = route_source_addr(host, port) == socket.gethostbyname(host)
+        rdzv_configs["is_host"] = local_addr == socket.gethostbyname(parse_endpoint(endpoint)[0])
     return LaunchConfig(
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,

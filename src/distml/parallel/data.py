@@ -100,11 +100,10 @@ def apply_data_parallel(
 ) -> DataParallel:
     """Wrap ``model`` (already on ``device``) in DDP, with its traffic accounted.
 
-    Without
-    compression no hook is registered: DDP's own C++ all-reduce is measurably faster than any
-    Python hook (``benchmarks/ddp_overhead.py``). Its traffic is then known exactly without one,
-    since every gradient bucket is all-reduced once per synchronising backward, and the end of
-    local compute is the moment the last gradient is accumulated.
+    Without compression no hook is registered: DDP's own C++ all-reduce is measurably faster
+    than any Python hook (``benchmarks/ddp_overhead.py``). Its traffic is then known exactly
+    without one, since every gradient bucket is all-reduced once per synchronising backward, and
+    the end of local compute is the moment the last gradient is accumulated.
     """
     ddp = DDP(
         model,

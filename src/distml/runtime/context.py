@@ -85,7 +85,6 @@ class Context:
             device.type, device.index or 0, self.local_rank, config.telemetry.watts_per_cpu_core
         )
         self.recorder = StepRecorder(self.rank, device, energy)
-        self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.loaders: list[ShardedLoader] = []
         self._progress = Progress(enabled=self.rank == 0 and config.telemetry.progress)
@@ -93,6 +92,11 @@ class Context:
         self._last_compute = 0.0
         self._scaler: torch.amp.GradScaler | None = None
         self._strategy: DataParallel | LocalSGD | None = None
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The model as the strategy wraps it (DDP, or the plain module for Local SGD)."""
+        return self._strategy.model if self._strategy is not None else None
 
     # -- creation ---------------------------------------------------------------------------
     @classmethod
@@ -136,7 +140,7 @@ class Context:
         if not dist.is_initialized():
             return
         dist.barrier()
-        self.model = None
+        self._strategy = None  # the only reference distml keeps to the DDP model
         self.optimizer = None
         gc.collect()
         time.sleep(0.05)  # GIL released: gloo's threads finish releasing their callbacks
@@ -156,7 +160,6 @@ class Context:
             self._strategy = LocalSGD(model, cfg, self.recorder)
         else:
             self._strategy = apply_data_parallel(model, cfg, self.device, self.recorder)
-        self.model = self._strategy.model
         self.optimizer = optimizer
         if cfg.mixed_precision == "fp16":
             self._scaler = torch.amp.GradScaler("cuda")
