@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 CONFIG_ENV = "DISTML_CONFIG"
 
 STRATEGIES = ("ddp", "local-sgd")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 PRECISIONS = ("fp32", "bf16", "fp16")
 MESH_DIMS = ("dp", "fsdp", "tp", "pp")
@@ -31,6 +32,27 @@ class ConfigError(ValueError):
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class GPTConfig(_Model):
+    """The size of a :class:`distml.models.GPT`; ``mlp_ratio`` x ``hidden`` is the MLP's width."""
+
+    vocab_size: Annotated[int, Field(ge=2)] = 256
+    seq_len: Annotated[int, Field(ge=1)] = 64
+    layers: Annotated[int, Field(ge=1)] = 4
+    hidden: Annotated[int, Field(ge=1)] = 128
+    heads: Annotated[int, Field(ge=1)] = 4
+    mlp_ratio: Annotated[int, Field(ge=1)] = 4
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> GPTConfig:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
 
 
 class StrategyConfig(_Model):
@@ -52,6 +74,44 @@ class StrategyConfig(_Model):
     def _fits_strategy(self) -> StrategyConfig:
         if self.name == "local-sgd" and self.compression != "none":
             raise ValueError("local-sgd averages parameters; gradient compression is for ddp")
+        return self
+
+
+class ParallelConfig(_Model):
+    """How the model is split when the mesh has ``fsdp``, ``tp`` or ``pp`` above 1.
+
+    ``split_points`` name the modules where a new pipeline stage begins (``["blocks.2"]``);
+    without them, stages are cut at block boundaries balanced by parameter count.
+    ``tp_plan`` maps module names (``fnmatch`` patterns, e.g. ``"blocks.*.mlp.up"``) to
+    ``colwise`` or ``rowwise``; without it, the GPT's Megatron plan is used.
+    ``reshard_after_forward = false`` keeps FSDP's gathered parameters from forward to backward
+    (ZeRO-2-like: one all-gather a step instead of two, at the memory of whole parameters).
+    """
+
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    microbatches: Annotated[int, Field(ge=1)] = 4
+    stages_per_rank: Annotated[int, Field(ge=1)] | None = None  # None: 2 if interleaved, else 1
+    split_points: list[str] | None = None
+    tp_plan: dict[str, Literal["colwise", "rowwise"]] | None = None
+    sequence_parallel: bool = False
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    reshard_after_forward: bool = True
+
+    @property
+    def virtual_stages(self) -> int:
+        """Pipeline stages held by each pipeline rank."""
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 2 if self.schedule == "interleaved" else 1
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> ParallelConfig:
+        if self.schedule == "interleaved" and self.virtual_stages < 2:
+            raise ValueError("the interleaved schedule needs stages_per_rank >= 2")
+        if self.schedule != "interleaved" and self.virtual_stages != 1:
+            raise ValueError(
+                f"stages_per_rank {self.virtual_stages} needs the interleaved schedule"
+            )
         return self
 
 
@@ -79,6 +139,8 @@ class RunConfig(_Model):
     seed: int = 0
     mesh: dict[str, int] | None = None
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    model: GPTConfig | None = None
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @field_validator("run_name")
@@ -114,10 +176,7 @@ class RunConfig(_Model):
                     f"mesh {dims} = {product} processes, but the world size is {world} "
                     f"({self.max_nodes} node(s) x {self.nproc} process(es))"
                 )
-        if self.mesh is not None and any(k != "dp" and v > 1 for k, v in self.mesh.items()):
-            raise ValueError(
-                "this version of distml runs data parallelism only: use a mesh of dp=N"
-            )
+        self._check_model_parallel()
         straggler = self.telemetry.simulate_straggler
         if straggler is not None and self.min_nodes == self.max_nodes:
             rank, factor = straggler
@@ -127,6 +186,44 @@ class RunConfig(_Model):
                     " and FACTOR >= 1"
                 )
         return self
+
+    def _check_model_parallel(self) -> None:
+        """Refuse, before anything starts, a layout that the model or the strategy cannot take."""
+        mesh = self.mesh or {}
+        tp, pp = mesh.get("tp", 1), mesh.get("pp", 1)
+        if not any(mesh.get(k, 1) > 1 for k in ("fsdp", "tp", "pp")):
+            return
+        if self.strategy.name != "ddp":
+            raise ValueError(f"--strategy {self.strategy.name} runs on a mesh of dp=N only")
+        if self.strategy.compression != "none":
+            raise ValueError("gradient compression is for a mesh of dp=N (DDP) only")
+        par = self.parallel
+        stages = pp * par.virtual_stages
+        if pp > 1 and par.split_points is not None and len(par.split_points) != stages - 1:
+            raise ValueError(
+                f"{len(par.split_points)} split point(s) make {len(par.split_points) + 1} "
+                f"stages, but pp={pp} x {par.virtual_stages} stage(s) per rank = {stages}"
+            )
+        if pp > 1 and self.strategy.grad_accum > 1:
+            raise ValueError("with pp > 1 use --microbatches, not grad_accum")
+        if pp > 1 and par.microbatches < pp and par.schedule != "gpipe":
+            raise ValueError(
+                f"the {par.schedule} schedule needs microbatches >= pp: {par.microbatches} < {pp}"
+            )
+        model = self.model
+        if model is None:
+            return
+        if model.heads % tp:
+            raise ValueError(f"heads {model.heads} are not divisible by tp={tp}")
+        if (model.mlp_ratio * model.hidden) % tp:
+            raise ValueError(
+                f"the MLP width {model.mlp_ratio * model.hidden} is not divisible by tp={tp}"
+            )
+        if pp > 1 and stages > model.layers:
+            raise ValueError(
+                f"pp={pp} x {par.virtual_stages} stage(s) per rank = {stages} stages, "
+                f"but the model has {model.layers} blocks"
+            )
 
     @property
     def world_size(self) -> int:

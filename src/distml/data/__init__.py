@@ -3,5 +3,6 @@
 from distml.data.datasets import digits
 from distml.data.loader import ShardedLoader
 from distml.data.sampler import ShardedBatchSampler, eval_shard
+from distml.data.text import stdlib_text
 
-__all__ = ["digits", "ShardedLoader", "ShardedBatchSampler", "eval_shard"]
+__all__ = ["digits", "ShardedLoader", "ShardedBatchSampler", "eval_shard", "stdlib_text"]

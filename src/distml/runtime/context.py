@@ -27,16 +27,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Dataset
 
 from distml.config import RunConfig, config_from_env
 from distml.data.loader import ShardedLoader
 from distml.parallel.data import DataParallel, apply_data_parallel
+from distml.parallel.layout import Loss, ModelParallel, apply_layout
 from distml.parallel.local_sgd import LocalSGD
+from distml.parallel.mesh import ParallelDims
+from distml.runtime.comm_accounting import CommAccounting
 from distml.runtime.progress import Progress
 from distml.runtime.run_files import write_run_files
 from distml.telemetry.energy import open_energy_meter
+from distml.telemetry.memory import ActivationTracker, model_state_bytes
 from distml.telemetry.recorder import StepRecorder
 from distml.train import checkpoint as ckpt
 from distml.train.evaluate import Metric, evaluate
@@ -71,13 +75,18 @@ def _to(batch: Any, device: torch.device) -> Any:
 class Context:
     """Rank, world, device, mesh and seed of one worker, and the run it belongs to."""
 
-    def __init__(self, config: RunConfig, device: torch.device, mesh: DeviceMesh):
+    def __init__(
+        self, config: RunConfig, device: torch.device, mesh: DeviceMesh, dims: ParallelDims
+    ):
         self.config = config
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = device
         self.mesh = mesh
+        self.dims = dims
+        self.data_rank = dims.data_rank(self.rank)
+        self.data_world = dims.data_parallel
         self.run_dir = config.run_dir
         self.attempt = int(os.environ.get("DISTML_ATTEMPT", 0))
         self.step = 0
@@ -91,12 +100,18 @@ class Context:
         self._started = time.perf_counter()
         self._last_compute = 0.0
         self._scaler: torch.amp.GradScaler | None = None
-        self._strategy: DataParallel | LocalSGD | None = None
+        self._strategy: DataParallel | LocalSGD | ModelParallel | None = None
+        self._activations = ActivationTracker()
 
     @property
     def model(self) -> nn.Module | None:
-        """The model as the strategy wraps it (DDP, or the plain module for Local SGD)."""
+        """The model as the strategy wraps it: DDP, the plain module for Local SGD, or what this
+        rank holds of a sharded or split one (under the plain model's parameter names)."""
         return self._strategy.model if self._strategy is not None else None
+
+    @property
+    def model_parallel(self) -> bool:
+        return isinstance(self._strategy, ModelParallel)
 
     # -- creation ---------------------------------------------------------------------------
     @classmethod
@@ -118,10 +133,10 @@ class Context:
             else:
                 store = dist.HashStore()
                 dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-        world = dist.get_world_size()
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+        dims = ParallelDims.from_mesh(config.mesh, dist.get_world_size())
+        mesh = dims.build_mesh(device.type)
         seed_everything(config.seed)  # identical on every rank: replicas start identical
-        return cls(config, device, mesh)
+        return cls(config, device, mesh, dims)
 
     def __enter__(self) -> Context:
         return self
@@ -150,13 +165,20 @@ class Context:
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Apply the run's strategy to ``model``: synchronous data parallelism through DDP, or
-        Local SGD / DiLoCo (``--strategy local-sgd:H``)."""
+        """Apply the run's strategy to ``model``: synchronous data parallelism through DDP,
+        Local SGD / DiLoCo (``--strategy local-sgd:H``), or the layout of a mesh with ``fsdp``,
+        ``tp`` or ``pp`` (:mod:`distml.parallel.layout`). Build ``optimizer`` on the plain
+        model; under a model-parallel layout the one returned is its twin over the sharded
+        parameters."""
         cfg = self.config.strategy
         if cfg.mixed_precision == "fp16" and self.device.type != "cuda":
             raise ValueError("fp16 mixed precision needs a CUDA device; use bf16 on the CPU")
         model = model.to(self.device)
-        if cfg.name == "local-sgd":
+        if self.dims.model_parallel:
+            self._strategy, optimizer = apply_layout(
+                model, optimizer, self.dims, self.mesh, self.config, self.device
+            )
+        elif cfg.name == "local-sgd":
             self._strategy = LocalSGD(model, cfg, self.recorder)
         else:
             self._strategy = apply_data_parallel(model, cfg, self.device, self.recorder)
@@ -176,8 +198,8 @@ class Context:
         loader = ShardedLoader(
             dataset,
             batch_size,
-            self.rank,
-            self.world_size,
+            self.data_rank,
+            self.data_world,
             shuffle=shuffle,
             seed=self.config.seed,
             **kwargs,
@@ -185,8 +207,18 @@ class Context:
         self.loaders.append(loader)
         return loader
 
-    def train_step(self, batch: Any, compute_loss: Callable[[Any], torch.Tensor]) -> float:
+    def train_step(
+        self,
+        batch: Any,
+        compute_loss: Callable[[Any], torch.Tensor] | None = None,
+        *,
+        loss: Loss | None = None,
+    ) -> float:
         """One optimizer step on ``batch``; returns the batch's mean loss on this rank.
+
+        Give either ``compute_loss(batch) -> loss`` or, for ``batch = (inputs, targets)``,
+        ``loss(model(inputs), targets)``; pipeline parallelism needs the second form, since the
+        output exists only on the last stage.
 
         With ``grad_accum = K`` the batch is cut into K micro-batches whose gradients accumulate
         locally (DDP ``no_sync``) and are all-reduced once, on the last: the same gradient as the
@@ -194,6 +226,16 @@ class Context:
         """
         if self.model is None or self.optimizer is None:
             raise RuntimeError("call ctx.setup(model, optimizer) before ctx.train_step")
+        if (compute_loss is None) == (loss is None):
+            raise TypeError("give ctx.train_step either compute_loss or loss=, not both")
+        if self.model_parallel:
+            return self._layout_step(batch, loss, compute_loss)
+        if compute_loss is None:
+            model = self.model
+
+            def compute_loss(b: Any) -> torch.Tensor:
+                return loss(model(b[0]), b[1])
+
         cfg = self.config.strategy
         rec = self.recorder
         rec.begin_step()
@@ -231,10 +273,36 @@ class Context:
         self._progress.update(self.step, value, total * self.world_size / max(record.step_s, 1e-9))
         return value
 
+    def _layout_step(self, batch: Any, loss: Loss | None, compute_loss: Callable | None) -> float:
+        """A step under a model-parallel layout: its collectives measured as they happen, its
+        activations tracked, its model state counted before the gradients are dropped."""
+        rec = self.recorder
+        rec.begin_step()
+        slept = self._simulate_straggler()
+        batch = _to(batch, self.device)
+        strategy: ModelParallel = self._strategy
+        self._activations.reset()
+        with CommAccounting(rec.add_comm) as comm, self._activations:
+            value = strategy.forward_backward(batch, loss, compute_loss, self._autocast, _split)
+            backward_done = time.perf_counter()
+            self.optimizer.step()
+        rec.add_exposed(comm.blocked_s)
+        memory = model_state_bytes(self.model, self.optimizer)
+        memory["activations"] = self._activations.peak_bytes
+        self.optimizer.zero_grad(set_to_none=True)
+        busy = strategy.busy_s if strategy.stages else None
+        total = _batch_len(batch)
+        record = rec.end_step(self.step, value, total, backward_done, memory=memory, busy_s=busy)
+        self._last_compute = record.compute_s - slept
+        self.step += 1
+        samples_per_s = total * self.data_world / max(record.step_s, 1e-9)
+        self._progress.update(self.step, value, samples_per_s)
+        return value
+
     def _autocast(self):
         precision = self.config.strategy.mixed_precision
-        if precision == "fp32":
-            return nullcontext()
+        if precision == "fp32" or (self.model_parallel and self._strategy.fsdp):
+            return nullcontext()  # FSDP's mixed-precision policy casts the parameters itself
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
@@ -256,9 +324,31 @@ class Context:
         metrics: Mapping[str, Metric] | list[str] | None = None,
         batch_size: int = 256,
     ) -> dict[str, float]:
-        """Exact dataset-wide metric means (default: accuracy and loss), on every rank."""
+        """Exact dataset-wide metric means (default: accuracy and loss), on every rank.
+
+        Under a model-parallel layout the whole model's forward runs through the layout, and the
+        dataset is split over the data-parallel ranks only."""
+        if self.model_parallel:
+            return evaluate(
+                self.model,
+                dataset,
+                metrics,
+                device=self.device,
+                batch_size=batch_size,
+                group=self._strategy.data_group,
+                forward=self._strategy.forward,
+                shard=(self.data_rank, self.data_world),
+            )
         module = model.module if hasattr(model, "module") else model
         return evaluate(module, dataset, metrics, device=self.device, batch_size=batch_size)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole model's output for ``x`` on every rank, whatever the layout (all ranks of
+        the run call it with the same ``x``)."""
+        if self.model_parallel:
+            return self._strategy.forward(x.to(self.device))
+        return self._module()(x.to(self.device))
 
     # -- checkpoints ------------------------------------------------------------------------
     @property
@@ -295,6 +385,11 @@ class Context:
                 epoch, position = extra[f"loader{i}"].tolist()
                 loader.load_state_dict({"epoch": epoch, "position": position})
         return True
+
+    def stage_leaders(self) -> list[int]:
+        """One global rank per pipeline stage: the first of each pp slice of the grid."""
+        per_stage = self.world_size // self.dims.pp
+        return [k * per_stage for k in range(self.dims.pp)]
 
     def _module(self) -> nn.Module:
         if self.model is None:

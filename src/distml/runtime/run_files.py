@@ -12,10 +12,17 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from distml.parallel.pipeline import pipeline_bubble
 from distml.runtime.collectives import all_gather_json
 from distml.telemetry.report import write_report
-from distml.telemetry.summary import summarize
-from distml.train.checkpoint import export_safetensors, param_norm
+from distml.telemetry.summary import measured_bubble, memory_per_rank, summarize
+from distml.train.checkpoint import (
+    export_safetensors,
+    export_state,
+    gather_full_state,
+    norm_of,
+    param_norm,
+)
 
 if TYPE_CHECKING:
     from distml.runtime.context import Context
@@ -28,7 +35,7 @@ def write_run_files(ctx: Context, eval_metrics: dict[str, float]) -> dict[str, A
         "run_name": ctx.config.run_name,
         "world_size": ctx.world_size,
         "strategy": ctx.config.strategy.model_dump(),
-        "mesh": {"dp": ctx.world_size},
+        "mesh": ctx.dims.as_dict() if ctx.model_parallel else {"dp": ctx.world_size},
         "attempt": ctx.attempt,
         "wall_s": time.perf_counter() - ctx._started,
         **summarize(per_rank, ctx.config.telemetry.straggler_factor),
@@ -37,14 +44,23 @@ def write_run_files(ctx: Context, eval_metrics: dict[str, float]) -> dict[str, A
         "param_norm": None,
         "export": None,
     }
-    if ctx.model is not None:
+    full = None
+    if ctx.model_parallel:
+        summary.update(layout_summary(ctx, per_rank))
+        full = gather_full_state(ctx.model, ctx.stage_leaders())
+    elif ctx.model is not None:
         summary["param_norm"] = param_norm(ctx._module())
     if ctx.rank != 0:
         return summary
     run_dir = ctx.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    if ctx.model is not None:
-        summary["export"] = str(export_safetensors(ctx._module(), run_dir / "model.safetensors"))
+    export = run_dir / "model.safetensors"
+    if full is not None:
+        state, params = full
+        summary["param_norm"] = norm_of(state[n] for n in sorted(params))
+        summary["export"] = str(export_state(state, export))
+    elif ctx.model is not None:
+        summary["export"] = str(export_safetensors(ctx._module(), export))
     with open(run_dir / "metrics.jsonl", "w") as f:
         for records in per_rank:
             for rec in records:
@@ -55,6 +71,30 @@ def write_run_files(ctx: Context, eval_metrics: dict[str, float]) -> dict[str, A
     if ctx.config.telemetry.progress:
         print_summary(summary)
     return summary
+
+
+def layout_summary(ctx: Context, per_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """What a model-parallel run adds to its summary: the layout, memory per rank, the bubble."""
+    par = ctx.config.parallel
+    dims = ctx.dims
+    out: dict[str, Any] = {
+        "layout": {
+            **dims.as_dict(),
+            "activation_checkpointing": par.activation_checkpointing,
+            "sequence_parallel": par.sequence_parallel,
+            "reshard_after_forward": par.reshard_after_forward,
+        },
+        "memory_per_rank": memory_per_rank(per_rank),
+    }
+    if dims.pp > 1:
+        out["layout"].update(
+            schedule=par.schedule, microbatches=par.microbatches, stages_per_rank=par.virtual_stages
+        )
+        out["bubble"] = {
+            "measured": measured_bubble(per_rank),
+            "formula": pipeline_bubble(dims.pp, par.microbatches, par.virtual_stages),
+        }
+    return out
 
 
 def _fmt_bytes(n: float) -> str:

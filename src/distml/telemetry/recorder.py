@@ -33,6 +33,10 @@ class StepRecord:
     comm_calls: dict[str, int] = field(default_factory=dict)
     energy_j: float = 0.0
     peak_mem_bytes: int = 0
+    # Under a model-parallel layout: bytes of params, grads, optimizer state, peak activations;
+    # and, with a pipeline, the seconds this rank's stages computed (the rest of the step idled).
+    memory_bytes: dict[str, int] = field(default_factory=dict)
+    stage_busy_s: float | None = None
     # Filled in at the end of the run, when every rank's compute time is known.
     sync_wait_s: float = 0.0
     comm_s: float = 0.0
@@ -86,7 +90,15 @@ class StepRecorder:
         """Communication outside backward (a Local SGD sync) that this step waited for."""
         self._exposed_extra += seconds
 
-    def end_step(self, step: int, loss: float, samples: int, backward_done: float) -> StepRecord:
+    def end_step(
+        self,
+        step: int,
+        loss: float,
+        samples: int,
+        backward_done: float,
+        memory: dict[str, int] | None = None,
+        busy_s: float | None = None,
+    ) -> StepRecord:
         end = time.perf_counter()
         local_done = self._last_launch if self._last_launch is not None else backward_done
         exposed = max(0.0, backward_done - local_done) + self._exposed_extra
@@ -103,6 +115,8 @@ class StepRecorder:
             comm_calls=dict(self._calls),
             energy_j=self.energy.read() - self._energy0,
             peak_mem_bytes=peak_memory_bytes(self.device),
+            memory_bytes=memory or {},
+            stage_busy_s=busy_s,
         )
         self.records.append(record)
         return record

@@ -85,3 +85,27 @@ def summarize(per_rank: list[list[dict[str, Any]]], straggler_factor: float) -> 
         "stragglers": find_stragglers(per_rank, straggler_factor),
         "ranks": ranks,
     }
+
+
+def memory_per_rank(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, int]]:
+    """Each rank's model state (its last step's) and peak activations over the run, in bytes."""
+    out = []
+    for rank, records in enumerate(per_rank):
+        if not records or not records[-1].get("memory_bytes"):
+            continue
+        mem = dict(records[-1]["memory_bytes"])
+        mem["activations"] = max(r["memory_bytes"].get("activations", 0) for r in records)
+        mem["total"] = sum(v for k, v in mem.items())
+        out.append({"rank": rank, **mem})
+    return out
+
+
+def measured_bubble(per_rank: list[list[dict[str, Any]]]) -> float | None:
+    """The idle share of a pipeline step, 1 - (stage compute / step time), median over steps
+    (the first left out: it infers shapes and builds the schedule) and mean over ranks."""
+    shares = []
+    for records in per_rank:
+        steps = [r for r in records[1:] if r.get("stage_busy_s") is not None and r["step_s"] > 0]
+        if steps:
+            shares.append(statistics.median(1 - r["stage_busy_s"] / r["step_s"] for r in steps))
+    return statistics.fmean(shares) if shares else None

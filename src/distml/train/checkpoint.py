@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_model
+from safetensors.torch import save_file, save_model
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -137,7 +137,72 @@ def export_safetensors(model: nn.Module, path: Path) -> Path:
 
 def param_norm(model: nn.Module) -> float:
     """float64 L2 norm of all parameters: one number to compare two runs by."""
+    return norm_of(model.parameters())
+
+
+def norm_of(tensors: Any) -> float:
     total = torch.zeros((), dtype=torch.float64)
-    for p in model.parameters():
+    for p in tensors:
         total += p.detach().to("cpu", torch.float64).pow(2).sum()
     return float(total.sqrt())
+
+
+_WRAPPED = "_checkpoint_wrapped_module."
+
+
+def gather_full_state(
+    model: nn.Module, leaders: list[int]
+) -> tuple[dict[str, torch.Tensor], set[str]] | None:
+    """The whole model's unsharded state on rank 0 (None elsewhere), and which keys are
+    parameters; a collective of every rank.
+
+    Each rank holds a piece of the model (``model``: its pipeline stage, sharded by FSDP or
+    tensor parallelism). DTensors are gathered within each stage; ``leaders[k]``, one rank of
+    pipeline stage k, then sends its stage's tensors to rank 0, described first as JSON (names,
+    shapes, dtypes) so that nothing but tensors travels.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from distml.runtime.collectives import all_gather_json
+
+    params = {name.replace(_WRAPPED, "") for name, _ in model.named_parameters()}
+    local: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        local[name.replace(_WRAPPED, "")] = full.detach().cpu()
+    rank = dist.get_rank()
+    mine = (
+        [
+            [n, list(t.shape), str(t.dtype).removeprefix("torch."), n in params]
+            for n, t in local.items()
+        ]
+        if rank in leaders
+        else []
+    )
+    device = next(model.parameters()).device
+    described = all_gather_json(mine, device)
+    if rank not in (0, *leaders):
+        return None
+    if rank != 0:
+        for _, t in local.items():
+            dist.send(t.contiguous().to(device), dst=0)
+        return None
+    state, names = dict(local), set(params)
+    for src in leaders:
+        if src == 0:
+            continue
+        for name, shape, dtype, is_param in described[src]:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            dist.recv(t, src=src)
+            state[name] = t.cpu()
+            if is_param:
+                names.add(name)
+    return state, names
+
+
+def export_state(state: dict[str, torch.Tensor], path: Path) -> Path:
+    """Write a gathered full state (:func:`gather_full_state`) as one safetensors file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    return path

@@ -53,13 +53,20 @@ def evaluate(
     device: torch.device,
     batch_size: int = 256,
     group: dist.ProcessGroup | None = None,
+    forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> dict[str, float]:
     """Means of per-sample ``metrics`` over the whole ``dataset``, on every rank.
 
-    A metric maps (model output, target) of a batch to one value per sample.
+    A metric maps (model output, target) of a batch to one value per sample. ``forward``
+    replaces ``model(x)`` (a layout's forward through its pipeline); ``shard`` = (index, count)
+    says which block of the dataset this rank reads when ``group`` is not the whole world but
+    other ranks read the same block (tensor- and pipeline-parallel peers); sums are reduced over
+    ``group`` (None: the whole world) when there is more than one block.
     """
     fns = resolve_metrics(metrics)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    forward = forward or model
+    rank, world = shard if shard is not None else (dist.get_rank(group), dist.get_world_size(group))
     shard = Subset(dataset, eval_shard(dataset, rank, world))
     totals = torch.zeros(len(fns) + 1, dtype=torch.float64, device=device)
     was_training = model.training
@@ -67,13 +74,14 @@ def evaluate(
     try:
         for x, y in DataLoader(shard, batch_size=batch_size):
             x, y = x.to(device), y.to(device)
-            out = model(x)
+            out = forward(x)
             for i, fn in enumerate(fns.values()):
                 totals[i] += fn(out, y).to(torch.float64).sum()
             totals[-1] += len(y)
     finally:
         model.train(was_training)
-    dist.all_reduce(totals, group=group)
+    if world > 1:
+        dist.all_reduce(totals, group=group)
     count = totals[-1].item()
     result = {name: totals[i].item() / count for i, name in enumerate(fns)}
     result["samples"] = int(count)

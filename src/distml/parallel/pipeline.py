@@ -1,0 +1,194 @@
+"""Pipeline parallelism: the model cut into stages at block boundaries, fed with micro-batches.
+
+Stage s of S holds a contiguous run of blocks (the first also the embeddings, the last the final
+norm and the head) and passes activations to s+1 and gradients back to s-1, point to point. A
+batch is cut into m micro-batches so that the stages work at once; the price is the *bubble*, the
+share of a step each stage spends idle while the pipeline fills and drains: (S-1)/(m+S-1) for
+GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 2021), (S-1)/(v m+S-1) with v interleaved
+stages per rank. 1F1B starts backward as soon as the last stage can, so a stage holds at most S
+micro-batches' activations, where GPipe holds all m.
+
+Schedules come from ``torch.distributed.pipelining``. Cutting the model is done here, the way
+torchtitan does it: a stage is the same model with the blocks it does not own deleted, so every
+parameter keeps its name and checkpoints move between layouts by name. The model must keep its
+blocks in a ``ModuleDict`` named ``blocks`` and skip the top-level modules a stage sets to
+``None`` (:class:`distml.models.GPT` does).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from distml.config import ConfigError
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+
+def pipeline_bubble(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle share of a step: (p-1)/(v m + p-1), p pipeline ranks, v stages per rank."""
+    return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
+def _blocks_of(model: nn.Module) -> nn.ModuleDict:
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleDict):
+        raise ConfigError(
+            f"pipeline parallelism needs a model that keeps its blocks in a ModuleDict "
+            f"'blocks' and skips missing modules (as distml.models.GPT); "
+            f"{type(model).__name__} does not"
+        )
+    return blocks
+
+
+def _edges(model: nn.Module) -> tuple[list[str], list[str]]:
+    """Top-level modules before and after the blocks (the embeddings; the norm and the head)."""
+    names = list(model._modules)
+    at = names.index("blocks")
+    return names[:at], names[at + 1 :]
+
+
+def cut_stages(
+    model: nn.Module, stages: int, split_points: list[str] | None = None
+) -> list[list[str]]:
+    """The block names of each stage, from ``split_points`` (``"blocks.K"`` starts a stage) or
+    balanced by parameter count, the embeddings counted in the first stage and the head in the
+    last. Every stage gets at least one block."""
+    blocks = _blocks_of(model)
+    keys = list(blocks)
+    if stages > len(keys):
+        raise ConfigError(f"{stages} pipeline stages, but the model has {len(keys)} blocks")
+    if split_points is not None:
+        starts = []
+        for point in split_points:
+            key = point.removeprefix("blocks.")
+            if key not in keys:
+                raise ConfigError(f"split point {point!r} is not a block of the model")
+            starts.append(keys.index(key))
+        if starts != sorted(set(starts)) or starts[0] == 0:
+            raise ConfigError(f"split points {split_points} must name later and later blocks")
+        bounds = [0, *starts, len(keys)]
+        return [keys[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    before, after = _edges(model)
+
+    def size(m: nn.Module | None) -> int:
+        return sum(p.numel() for p in m.parameters()) if m is not None else 0
+
+    weights = [size(blocks[k]) for k in keys]
+    weights[0] += sum(size(getattr(model, n)) for n in before)
+    weights[-1] += sum(size(getattr(model, n)) for n in after)
+    total = sum(weights)
+    cuts, acc = [], 0.0
+    for i, w in enumerate(weights[:-1]):
+        acc += w
+        stage = len(cuts) + 1
+        left = len(keys) - (i + 1)  # blocks not yet assigned
+        need = stages - stage  # stages still to fill after this cut
+        if need and (acc >= total * stage / stages or left == need):
+            cuts.append(i + 1)
+    bounds = [0, *cuts, len(keys)]
+    return [keys[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def stage_view(model: nn.Module, keep: list[str], first: bool, last: bool) -> nn.Module:
+    """A shallow copy of ``model`` holding only blocks ``keep`` (the module objects themselves,
+    shared), with the embeddings only if ``first`` and the head only if ``last``."""
+    view = copy.copy(model)
+    # Its own module table and hook tables: what FSDP registers on a view stays on that view.
+    for key, value in vars(view).items():
+        if isinstance(value, (dict, set)):
+            view.__dict__[key] = copy.copy(value)
+    blocks = _blocks_of(model)
+    view._modules["blocks"] = nn.ModuleDict({k: blocks[k] for k in keep})
+    before, after = _edges(model)
+    for name in before if not first else []:
+        view._modules[name] = None
+    for name in after if not last else []:
+        view._modules[name] = None
+    return view
+
+
+def keep_only(model: nn.Module, stage_blocks: list[list[str]], first: bool, last: bool) -> None:
+    """Delete, in place, what none of this rank's stages needs: it never takes memory here."""
+    owned = {k for keys in stage_blocks for k in keys}
+    blocks = _blocks_of(model)
+    for k in [k for k in blocks if k not in owned]:
+        del blocks[k]
+    before, after = _edges(model)
+    for name in before if not first else []:
+        setattr(model, name, None)
+    for name in after if not last else []:
+        setattr(model, name, None)
+
+
+class TimedStage(PipelineStage):
+    """A stage that measures its own busy time, so the bubble is measured, not assumed."""
+
+    busy_s: float = 0.0
+
+    def forward_one_chunk(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        start = time.perf_counter()
+        try:
+            return super().forward_one_chunk(*args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    def backward_one_chunk(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        start = time.perf_counter()
+        try:
+            return super().backward_one_chunk(*args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+
+@dataclass
+class PipelinePlan:
+    """Which stages this pipeline rank runs: stage ids ``rank, rank + pp, ...`` (looped)."""
+
+    pp_rank: int
+    pp_size: int
+    virtual: int
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp_size * self.virtual
+
+    @property
+    def stage_ids(self) -> list[int]:
+        return [self.pp_rank + v * self.pp_size for v in range(self.virtual)]
+
+
+def build_stages(
+    model: nn.Module,
+    plan: PipelinePlan,
+    split_points: list[str] | None,
+    device: torch.device,
+    group: dist.ProcessGroup,
+) -> tuple[list[nn.Module], list[int]]:
+    """Cut ``model`` in place down to this rank's share; returns the stage modules (views of
+    it) and their stage ids. Call before tensor parallelism, checkpointing and FSDP, which then
+    apply to the blocks the views share."""
+    cut = cut_stages(model, plan.num_stages, split_points)
+    ids = plan.stage_ids
+    first, last = 0 in ids, plan.num_stages - 1 in ids
+    keep_only(model, [cut[i] for i in ids], first, last)
+    return [stage_view(model, cut[i], i == 0, i == plan.num_stages - 1) for i in ids], ids
+
+
+def refresh_views(model: nn.Module, views: list[nn.Module]) -> None:
+    """Point the views at ``model``'s current blocks, after wrappers replaced some of them."""
+    blocks = _blocks_of(model)
+    for view in views:
+        keys = list(view._modules["blocks"])
+        view._modules["blocks"] = nn.ModuleDict({k: blocks[k] for k in keys})

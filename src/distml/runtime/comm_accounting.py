@@ -1,0 +1,90 @@
+"""Measure the collectives a step issues, whoever issues them: DTensor, FSDP2 or pipelining.
+
+Every torch collective passes through the dispatcher as a ``c10d`` (process-group API) or
+``_c10d_functional`` (DTensor) operator, so one dispatch mode sees them all. It sums each one's
+payload (see :mod:`distml.runtime.collectives` for what payload and wire bytes mean) and the time
+this rank spends blocked in it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from distml.runtime.collectives import ring_wire_bytes
+
+
+def _nbytes(t: Any) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return 0
+
+
+def _group_size(arg: Any) -> int:
+    if isinstance(arg, str):  # functional collectives name their group
+        return dist.distributed_c10d._resolve_process_group(arg).size()
+    if isinstance(arg, torch.ScriptObject):  # what the dispatcher passes for a ProcessGroup
+        arg = dist.ProcessGroup.unbox(arg)
+    return arg.size()
+
+
+# op name -> (collective, index of the payload argument, index of the group argument)
+_OPS: dict[str, tuple[str, int, int]] = {
+    "c10d::allreduce_": ("all_reduce", 0, 1),
+    "_c10d_functional::all_reduce": ("all_reduce", 0, 2),
+    "_c10d_functional::all_reduce_": ("all_reduce", 0, 2),
+    "c10d::_allgather_base_": ("all_gather", 1, 2),
+    "c10d::allgather_": ("all_gather", 1, 2),
+    "c10d::allgather_into_tensor_coalesced_": ("all_gather", 1, 2),
+    "_c10d_functional::all_gather_into_tensor": ("all_gather", 0, 2),
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", 1, 2),
+    "c10d::reduce_scatter_": ("reduce_scatter", 1, 2),
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, 2),
+    "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", 0, 3),
+    "c10d::broadcast_": ("broadcast", 0, 1),
+    "_c10d_functional::broadcast": ("broadcast", 0, 2),
+    "c10d::send": ("send", 0, -1),
+    "c10d::recv_": ("recv", 0, -1),
+    "_c10d_functional::all_to_all_single": ("all_to_all", 0, -1),
+}
+_WAITS = {"_c10d_functional::wait_tensor"}
+
+
+class CommAccounting(TorchDispatchMode):
+    """Calls ``report(collective, payload_bytes, wire_bytes)`` for every collective, and adds
+    the seconds spent inside collectives and waits to ``blocked_s``.
+
+    All-gather payload is what this rank contributes (its shard), its wire bytes (N-1)/N of the
+    gathered tensor; point-to-point wire bytes are the payload.
+    """
+
+    def __init__(self, report: Callable[[str, int, int], None]):
+        super().__init__()
+        self.report = report
+        self.blocked_s = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        name = func._schema.name
+        entry = _OPS.get(name)
+        if entry is None and name not in _WAITS:
+            return func(*args, **kwargs)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.blocked_s += time.perf_counter() - start
+        if entry is not None:
+            collective, payload_at, group_at = entry
+            payload = _nbytes(args[payload_at])
+            if collective in ("send", "recv"):
+                self.report(collective, payload, payload)
+            elif (n := _group_size(args[group_at])) > 1:  # a group of one moves nothing
+                full = payload * n if collective == "all_gather" else payload
+                self.report(collective, payload, ring_wire_bytes(collective, full, n))
+        return out
