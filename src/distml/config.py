@@ -285,10 +285,17 @@ def parse_strategy(text: str) -> dict[str, object]:
     fields: dict[str, object] = {"name": name}
     if name == "local-sgd" and options.strip().isdigit():
         return {**fields, "sync_every": options.strip()}
-    for part in filter(None, (p.strip() for p in options.split(","))):
+    return {**fields, **parse_options(options, f"--strategy {text!r}")}
+
+
+def parse_options(text: str, flag: str) -> dict[str, object]:
+    """``"layers=4,hidden=128"`` -> {"layers": "4", "hidden": "128"}; pydantic converts the
+    values. ``flag`` names the option in the error message."""
+    fields: dict[str, object] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
         if not sep:
-            raise ConfigError(f"--strategy {text!r}: option {part!r} is not KEY=VALUE")
+            raise ConfigError(f"{flag}: option {part!r} is not KEY=VALUE")
         fields[key.strip()] = value.strip()
     return fields
 

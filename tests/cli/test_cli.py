@@ -9,6 +9,7 @@ import pytest
 from conftest import EXAMPLES, distml_cli
 
 TRAIN = str(EXAMPLES / "digits" / "train.py")
+GPT = str(EXAMPLES / "gpt" / "train.py")
 
 
 @pytest.mark.parametrize(
@@ -17,7 +18,29 @@ TRAIN = str(EXAMPLES / "digits" / "train.py")
         (["run", "--strategy", "zero9", TRAIN], "unknown strategy 'zero9'"),
         (["run", "--nproc", "0", TRAIN], "nproc"),
         (["run", "--nproc", "2", "--mesh", "dp=3", TRAIN], "world size is 2"),
-        (["run", "--nproc", "2", "--mesh", "dp=1,tp=2", TRAIN], "data parallelism only"),
+        (
+            ["run", "--nproc", "2", "--mesh", "tp=2", "--model", "heads=3,hidden=96", GPT],
+            "heads 3 are not divisible by tp=2",
+        ),
+        (
+            ["run", "--nproc", "4", "--mesh", "pp=4", "--model", "layers=2", GPT],
+            "pp=4 x 1 stage(s) per rank = 4 stages, but the model has 2 blocks",
+        ),
+        (
+            ["run", "--nproc", "4", "--mesh", "dp=2,tp=4", GPT],
+            "mesh dp=2 x tp=4 = 8 processes, but the world size is 4",
+        ),
+        (
+            ["run", "--nproc", "2", "--mesh", "pp=2", "--microbatches", "1", GPT],
+            "the 1f1b schedule needs microbatches >= pp: 1 < 2",
+        ),
+        (["run", "--nproc", "2", "--mesh", "pp=2", "--schedule", "zigzag", GPT], "schedule"),
+        (
+            ["run", "--nproc", "2", "--mesh", "tp=2", "--strategy", "local-sgd:4", GPT],
+            "runs on a mesh of dp=N only",
+        ),
+        (["run", "--model", "layers", GPT], "option 'layers' is not KEY=VALUE"),
+        (["generate", "no-such-run"], "no exported model at no-such-run"),
         (["run", "--mesh", "xx=2", TRAIN], "NAME=SIZE"),
         (["run", "no/such/script.py"], "no such script: no/such/script.py"),
         (["run", "--nnodes", "2", TRAIN], "needs --rdzv-endpoint"),

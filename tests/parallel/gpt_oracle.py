@@ -25,14 +25,18 @@ def corpus():
 
 
 class RecordingSGD(torch.optim.SGD):
-    """SGD that keeps the full gradients it applied last (a collective when they are sharded)."""
+    """SGD that keeps the full gradients of the step after ``record_next`` is set (gathering
+    sharded ones is a collective: only then, so that other steps' traffic is the layout's)."""
+
+    record_next = False
 
     def step(self, closure=None):  # noqa: ANN001
-        self.last_grads = [
-            (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-            for group in self.param_groups
-            for p in group["params"]
-        ]
+        if self.record_next:
+            self.last_grads = [
+                (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                for group in self.param_groups
+                for p in group["params"]
+            ]
         return super().step(closure)
 
 
@@ -43,6 +47,7 @@ def train(ctx: distml.Context, out_dir: str, steps: int = STEPS, batch: int = BA
     loader = ctx.dataloader(corpus(), batch_size=batch)
     losses = []
     for x, y in loader:
+        optimizer.record_next = ctx.step == steps - 1
         losses.append(ctx.train_step((x, y), loss=lm_loss))
         if ctx.step == steps:
             break

@@ -15,6 +15,7 @@ from distml.config import (
     load_config,
     parse_mesh,
     parse_nnodes,
+    parse_options,
     parse_straggler,
     parse_strategy,
 )
@@ -64,6 +65,10 @@ def resolve_run_config(
     timeout: float | None,
     seed: int | None,
     simulate_straggler: str | None,
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    parallel: str | None = None,
+    model: str | None = None,
 ):
     """Command-line flags over the config file over defaults, validated as one RunConfig."""
     fields: dict[str, Any] = {}
@@ -88,6 +93,20 @@ def resolve_run_config(
         fields["strategy"] = {**fields.get("strategy", {}), **parse_strategy(strategy)}
     if mesh is not None:
         fields["mesh"] = parse_mesh(mesh)
+    par = dict(fields.get("parallel", {}))
+    if parallel is not None:
+        par.update(parse_options(parallel, f"--parallel {parallel!r}"))
+    par.update(
+        {
+            k: v
+            for k, v in {"schedule": schedule, "microbatches": microbatches}.items()
+            if v is not None
+        }
+    )
+    if par:
+        fields["parallel"] = par
+    if model is not None:
+        fields["model"] = {**fields.get("model", {}), **parse_options(model, f"--model {model!r}")}
     if simulate_straggler is not None:
         telemetry = dict(fields.get("telemetry", {}))
         telemetry["simulate_straggler"] = parse_straggler(simulate_straggler)
@@ -120,7 +139,25 @@ def run(
     strategy: Annotated[
         str | None, typer.Option(help="ddp[:compression=fp16|bf16|powersgd,grad_accum=K,...]")
     ] = None,
-    mesh: Annotated[str | None, typer.Option(help="Device mesh, e.g. dp=4.")] = None,
+    mesh: Annotated[
+        str | None, typer.Option(help="Device mesh: dp=N, or e.g. dp=2,fsdp=1,tp=2,pp=2.")
+    ] = None,
+    schedule: Annotated[
+        str | None, typer.Option(help="Pipeline schedule: gpipe, 1f1b or interleaved.")
+    ] = None,
+    microbatches: Annotated[
+        int | None, typer.Option(help="Pipeline micro-batches per step.")
+    ] = None,
+    parallel: Annotated[
+        str | None,
+        typer.Option(
+            help="Layout options: activation_checkpointing=full|selective, "
+            "sequence_parallel=true, reshard_after_forward=false, stages_per_rank=V."
+        ),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="GPT size: layers=4,hidden=128,heads=4,seq_len=64,...")
+    ] = None,
     timeout: Annotated[
         float | None, typer.Option(help="Seconds before a hung peer counts as failed.")
     ] = None,
@@ -147,6 +184,10 @@ def run(
             timeout=timeout,
             seed=seed,
             simulate_straggler=simulate_straggler,
+            schedule=schedule,
+            microbatches=microbatches,
+            parallel=parallel,
+            model=model,
         )
     except ConfigError as exc:
         fail_usage(str(exc))
@@ -190,11 +231,13 @@ def demo(
     err.print(f"report: {summary['report']}", highlight=False)
 
 
-from distml.cli.plan import bench, plan, simulate  # noqa: E402  (after the helpers it uses)
+from distml.cli.generate import generate  # noqa: E402  (after the helpers they use)
+from distml.cli.plan import bench, plan, simulate  # noqa: E402
 
 app.command(name="plan")(plan)
 app.command(name="bench")(bench)
 app.command(name="simulate")(simulate)
+app.command(name="generate")(generate)
 
 
 def main() -> None:

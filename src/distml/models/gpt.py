@@ -19,11 +19,21 @@ torch.Size([3, 16, 256])
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from distml.config import GPTConfig
+
+
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + causal mask) v: the part of attention without parameters, a
+    module of its own so that selective activation checkpointing can recompute just it."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Attention(nn.Module):
@@ -33,6 +43,7 @@ class Attention(nn.Module):
         self.q = nn.Linear(cfg.hidden, cfg.hidden)
         self.k = nn.Linear(cfg.hidden, cfg.hidden)
         self.v = nn.Linear(cfg.hidden, cfg.hidden)
+        self.core = CausalAttention()
         self.out = nn.Linear(cfg.hidden, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +52,7 @@ class Attention(nn.Module):
         q, k, v = (
             p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v)
         )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.out(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -105,3 +116,28 @@ def _init_weights(module: nn.Module) -> None:
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy, averaged over every position of the batch."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+@torch.no_grad()
+def generate(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    seq_len: int,
+) -> torch.Tensor:
+    """Greedy decoding: append the arg-max next token ``max_new_tokens`` times.
+
+    ``forward`` maps token ids (B, T) to logits (B, T, V): a plain :class:`GPT`, or a sharded
+    one's forward through its layout (``ctx.forward``). The context is the last ``seq_len``
+    tokens. No key-value cache: each token recomputes the window, which keeps every layout's
+    forward the plain one.
+
+    >>> model = GPT(GPTConfig(vocab_size=256, seq_len=8, layers=1, hidden=16, heads=2))
+    >>> generate(model, torch.zeros(1, 3, dtype=torch.long), 4, seq_len=8).shape
+    torch.Size([1, 7])
+    """
+    tokens = prompt
+    for _ in range(max_new_tokens):
+        logits = forward(tokens[:, -seq_len:])
+        tokens = torch.cat([tokens, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    return tokens

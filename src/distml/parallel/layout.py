@@ -9,6 +9,7 @@ pipeline schedule when ``pp`` > 1), and a forward for evaluation and generation.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -58,7 +59,10 @@ def rebuild_optimizer(
         params = [new[n] for n in names if n in new]
         if params:
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    return type(optimizer)(groups, **optimizer.defaults)
+    # Every group carries all its hyperparameters; defaults only serve later add_param_group.
+    rebuilt = type(optimizer)(groups)
+    rebuilt.defaults = dict(optimizer.defaults)
+    return rebuilt
 
 
 class ModelParallel:
@@ -81,6 +85,7 @@ class ModelParallel:
         self.stages = stages
         self._schedule: Any = None
         self._schedule_loss: Loss | None = None
+        self.span_s = 0.0
         self.pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
         self.fsdp = dims.data_parallel > 1 or dims.fsdp > 1
 
@@ -140,10 +145,12 @@ class ModelParallel:
         losses: list[torch.Tensor] = []
         for stage in self.stages:
             stage.busy_s = 0.0
+        start = time.perf_counter()
         with autocast():
             args = (x,) if first else ()
             kwargs = {"target": y, "losses": losses} if last else {}
             schedule.step(*args, **kwargs)
+        self.span_s = time.perf_counter() - start
         value = torch.stack(losses).mean().detach() if last else torch.zeros((), device=x.device)
         src = dist.get_global_rank(self.pp_group, self.dims.pp - 1)
         dist.broadcast(value, src=src, group=self.pp_group)
@@ -155,15 +162,25 @@ class ModelParallel:
             stages = (
                 self.stages if cls.__name__.startswith("ScheduleInterleaved") else self.stages[0]
             )
+            last = self.stages[-1]
+
+            def timed_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+                start = time.perf_counter()  # the loss is the last stage's work too
+                try:
+                    return loss(output, target)
+                finally:
+                    last.busy_s += time.perf_counter() - start
+
             self._schedule = cls(
-                stages, n_microbatches=self.config.parallel.microbatches, loss_fn=loss
+                stages, n_microbatches=self.config.parallel.microbatches, loss_fn=timed_loss
             )
             self._schedule_loss = loss
         return self._schedule
 
     @property
     def busy_s(self) -> float:
-        """Seconds this rank's stages computed during the last pipeline step."""
+        """Seconds this rank's stages computed during the last pipeline step (of ``span_s``,
+        the schedule's whole run)."""
         return sum(s.busy_s for s in self.stages)
 
     # -- forward only -----------------------------------------------------------------------
@@ -238,12 +255,12 @@ def _broadcast_tensor(
 
 def apply_layout(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     dims: ParallelDims,
     mesh: DeviceMesh,
     config: RunConfig,
     device: torch.device,
-) -> tuple[ModelParallel, torch.optim.Optimizer]:
+) -> tuple[ModelParallel, torch.optim.Optimizer | None]:
     """Pipeline stages, then tensor parallelism, then activation checkpointing, then FSDP."""
     par = config.parallel
     old_names = {id(p): name for name, p in model.named_parameters()}
@@ -285,4 +302,6 @@ def apply_layout(
     strategy = ModelParallel(
         views[0] if dims.pp == 1 else model, dims, mesh, config, device, stages
     )
+    if optimizer is None:
+        return strategy, None
     return strategy, rebuild_optimizer(optimizer, old_names, model)

@@ -163,13 +163,13 @@ class Context:
 
     # -- training ---------------------------------------------------------------------------
     def setup(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """Apply the run's strategy to ``model``: synchronous data parallelism through DDP,
         Local SGD / DiLoCo (``--strategy local-sgd:H``), or the layout of a mesh with ``fsdp``,
         ``tp`` or ``pp`` (:mod:`distml.parallel.layout`). Build ``optimizer`` on the plain
         model; under a model-parallel layout the one returned is its twin over the sharded
-        parameters."""
+        parameters. Without an optimizer, the model is laid out for inference."""
         cfg = self.config.strategy
         if cfg.mixed_precision == "fp16" and self.device.type != "cuda":
             raise ValueError("fp16 mixed precision needs a CUDA device; use bf16 on the CPU")
@@ -290,9 +290,11 @@ class Context:
         memory = model_state_bytes(self.model, self.optimizer)
         memory["activations"] = self._activations.peak_bytes
         self.optimizer.zero_grad(set_to_none=True)
-        busy = strategy.busy_s if strategy.stages else None
+        pipeline = (strategy.busy_s, strategy.span_s) if strategy.stages else None
         total = _batch_len(batch)
-        record = rec.end_step(self.step, value, total, backward_done, memory=memory, busy_s=busy)
+        record = rec.end_step(
+            self.step, value, total, backward_done, memory=memory, pipeline=pipeline
+        )
         self._last_compute = record.compute_s - slept
         self.step += 1
         samples_per_s = total * self.data_world / max(record.step_s, 1e-9)
@@ -385,6 +387,17 @@ class Context:
                 epoch, position = extra[f"loader{i}"].tolist()
                 loader.load_state_dict({"epoch": epoch, "position": position})
         return True
+
+    def full_state_dict(self) -> tuple[dict[str, torch.Tensor], set[str]] | None:
+        """The whole model's parameters and buffers, unsharded, on the CPU of rank 0 (None on
+        the other ranks), and the names among them that are parameters. Every rank calls it."""
+        if self.model_parallel:
+            return ckpt.gather_full_state(self.model, self.stage_leaders())
+        if dist.get_rank() != 0:
+            return None
+        module = self._module()
+        state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        return state, {name for name, _ in module.named_parameters()}
 
     def stage_leaders(self) -> list[int]:
         """One global rank per pipeline stage: the first of each pp slice of the grid."""

@@ -19,7 +19,6 @@ from distml.telemetry.summary import measured_bubble, memory_per_rank, summarize
 from distml.train.checkpoint import (
     export_safetensors,
     export_state,
-    gather_full_state,
     norm_of,
     param_norm,
 )
@@ -47,7 +46,7 @@ def write_run_files(ctx: Context, eval_metrics: dict[str, float]) -> dict[str, A
     full = None
     if ctx.model_parallel:
         summary.update(layout_summary(ctx, per_rank))
-        full = gather_full_state(ctx.model, ctx.stage_leaders())
+        full = ctx.full_state_dict()
     elif ctx.model is not None:
         summary["param_norm"] = param_norm(ctx._module())
     if ctx.rank != 0:
@@ -91,7 +90,7 @@ def layout_summary(ctx: Context, per_rank: list[list[dict[str, Any]]]) -> dict[s
             schedule=par.schedule, microbatches=par.microbatches, stages_per_rank=par.virtual_stages
         )
         out["bubble"] = {
-            "measured": measured_bubble(per_rank),
+            **(measured_bubble(per_rank) or {"measured": None}),
             "formula": pipeline_bubble(dims.pp, par.microbatches, par.virtual_stages),
         }
     return out

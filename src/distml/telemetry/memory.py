@@ -39,6 +39,12 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None)
     }
 
 
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (a matmul saves its weight transposed)."""
+    base = t._base if t._base is not None else t
+    return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
+
+
 class _Saved:
     """What autograd holds instead of the tensor; its death releases the count."""
 
@@ -72,11 +78,7 @@ class ActivationTracker:
 
     def _pack(self, t: torch.Tensor) -> _Saved:
         local = _local(t)
-        if (
-            isinstance(t, nn.Parameter)
-            or (t.is_leaf and t.requires_grad)
-            or local.device.type == "meta"
-        ):
+        if _is_parameter(t) or local.device.type == "meta":
             return _Saved(t, None, self)
         storage = local.untyped_storage()
         key = storage.data_ptr()

@@ -34,9 +34,10 @@ class StepRecord:
     energy_j: float = 0.0
     peak_mem_bytes: int = 0
     # Under a model-parallel layout: bytes of params, grads, optimizer state, peak activations;
-    # and, with a pipeline, the seconds this rank's stages computed (the rest of the step idled).
+    # and, with a pipeline, the seconds the schedule ran and this rank's stages computed in it.
     memory_bytes: dict[str, int] = field(default_factory=dict)
     stage_busy_s: float | None = None
+    schedule_s: float | None = None
     # Filled in at the end of the run, when every rank's compute time is known.
     sync_wait_s: float = 0.0
     comm_s: float = 0.0
@@ -97,7 +98,7 @@ class StepRecorder:
         samples: int,
         backward_done: float,
         memory: dict[str, int] | None = None,
-        busy_s: float | None = None,
+        pipeline: tuple[float, float] | None = None,
     ) -> StepRecord:
         end = time.perf_counter()
         local_done = self._last_launch if self._last_launch is not None else backward_done
@@ -116,7 +117,8 @@ class StepRecorder:
             energy_j=self.energy.read() - self._energy0,
             peak_mem_bytes=peak_memory_bytes(self.device),
             memory_bytes=memory or {},
-            stage_busy_s=busy_s,
+            stage_busy_s=pipeline[0] if pipeline else None,
+            schedule_s=pipeline[1] if pipeline else None,
         )
         self.records.append(record)
         return record

@@ -100,12 +100,19 @@ def memory_per_rank(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, int]
     return out
 
 
-def measured_bubble(per_rank: list[list[dict[str, Any]]]) -> float | None:
-    """The idle share of a pipeline step, 1 - (stage compute / step time), median over steps
-    (the first left out: it infers shapes and builds the schedule) and mean over ranks."""
+def measured_bubble(per_rank: list[list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """The idle share of a pipeline schedule's run, 1 - (stage compute / schedule time): the
+    median over steps (the first left out: it infers shapes and builds the schedule) for each
+    pipeline rank, and their mean as the pipeline's bubble.
+
+    With equal stages every stage idles (p - 1) of (m + p - 1) slots. Unequal stages shift idle
+    time from the busiest stage to the others; ``per_rank`` shows how it fell.
+    """
     shares = []
     for records in per_rank:
-        steps = [r for r in records[1:] if r.get("stage_busy_s") is not None and r["step_s"] > 0]
+        steps = [r for r in records[1:] if r.get("schedule_s")]
         if steps:
-            shares.append(statistics.median(1 - r["stage_busy_s"] / r["step_s"] for r in steps))
-    return statistics.fmean(shares) if shares else None
+            shares.append(statistics.median(1 - r["stage_busy_s"] / r["schedule_s"] for r in steps))
+    if not shares:
+        return None
+    return {"measured": statistics.fmean(shares), "per_rank": shares}

@@ -30,7 +30,19 @@ def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.float(), target, reduction="none")
 
 
+def token_accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Language modelling: each sequence's share of positions whose next token is predicted."""
+    return (output.argmax(dim=-1) == target).to(torch.float64).mean(dim=-1)
+
+
+def token_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Language modelling: each sequence's mean next-token cross-entropy."""
+    per_token = F.cross_entropy(output.float().transpose(1, 2), target, reduction="none")
+    return per_token.mean(dim=-1)
+
+
 METRICS: dict[str, Metric] = {"accuracy": accuracy, "loss": cross_entropy}
+LM_METRICS: dict[str, Metric] = {"accuracy": token_accuracy, "loss": token_loss}
 
 
 def resolve_metrics(metrics: Mapping[str, Metric] | list[str] | None) -> dict[str, Metric]:

@@ -1,0 +1,1 @@
+"""Inference: generation with a model sharded over several processes."""
