@@ -26,6 +26,11 @@ LAYOUTS = {
     "fsdp2xpp2": ({"fsdp": 2, "pp": 2}, {}),
     "dp2xtp2xpp2": ({"dp": 2, "tp": 2, "pp": 2}, {}),
 }
+# bf16 computes in 8 bits of mantissa: close to fp32, not equal. (mesh, parallel, strategy)
+BF16 = {
+    "fsdp2-bf16": ({"fsdp": 2}, {}, {"mixed_precision": "bf16"}),
+    "tp2xpp2-bf16": ({"tp": 2, "pp": 2}, {}, {"mixed_precision": "bf16"}),
+}
 
 # The GPT of the oracle: L blocks, a step of b sequences of s tokens of width h, fp32.
 L, B, S, H, F32 = CFG.layers, BATCH, CFG.seq_len, CFG.hidden, 4
@@ -49,7 +54,7 @@ def runs(tmp_path_factory):
 
     def get(name: str) -> dict:
         if name not in done:
-            mesh, parallel = LAYOUTS[name]
+            mesh, parallel, strategy = (*LAYOUTS[name], {}) if name in LAYOUTS else BF16[name]
             path = tmp_path_factory.mktemp(name)
             out = distml.launch(
                 train,
@@ -59,6 +64,7 @@ def runs(tmp_path_factory):
                 run_name="run",
                 mesh=mesh,
                 parallel=parallel,
+                strategy=strategy,
                 telemetry={"progress": False},
             )
             lines = (path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -169,3 +175,14 @@ def test_activation_checkpointing_keeps_less_and_computes_the_same(runs):
     # Selective recomputes only attention's core; with a fused attention kernel its saving is
     # small, but never negative.
     assert peak("tp2-selective-checkpointing") <= peak("tp2")
+
+
+@pytest.mark.parametrize("name", list(BF16))
+def test_bf16_mixed_precision_trains_close_to_fp32(name, runs, reference):
+    out = runs(name)
+    ref = reference[BF16[name][0].get("fsdp", 1)]
+    keys = sorted(ref["params"])
+    params = exported(out["summary"])
+    assert all(params[k].dtype == torch.float32 for k in keys)  # fp32 master weights
+    assert 1e-6 < rel_err(flat(params, keys), flat(ref["params"], keys)) <= 5e-2
+    assert rel_err(torch.tensor(out["losses"]), torch.tensor(ref["losses"])) <= 2e-2

@@ -53,6 +53,10 @@ def rebuild_optimizer(
     if optimizer.state:
         raise ConfigError("ctx.setup needs an optimizer that has not stepped yet")
     new = parameter_names(model)
+    if any(id(p) not in old_names for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            "ctx.setup: the optimizer holds tensors that are not the model's parameters"
+        )
     groups = []
     for group in optimizer.param_groups:
         names = [old_names[id(p)] for p in group["params"]]

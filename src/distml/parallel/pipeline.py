@@ -88,17 +88,32 @@ def cut_stages(
     weights = [size(blocks[k]) for k in keys]
     weights[0] += sum(size(getattr(model, n)) for n in before)
     weights[-1] += sum(size(getattr(model, n)) for n in after)
-    total = sum(weights)
-    cuts, acc = [], 0.0
-    for i, w in enumerate(weights[:-1]):
-        acc += w
-        stage = len(cuts) + 1
-        left = len(keys) - (i + 1)  # blocks not yet assigned
-        need = stages - stage  # stages still to fill after this cut
-        if need and (acc >= total * stage / stages or left == need):
-            cuts.append(i + 1)
-    bounds = [0, *cuts, len(keys)]
+    bounds = _balanced_bounds(weights, stages)
     return [keys[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _balanced_bounds(weights: list[int], parts: int) -> list[int]:
+    """Cut ``weights`` into ``parts`` contiguous non-empty runs whose heaviest is as light as
+    possible (the linear partition problem, by dynamic programming); returns the run bounds."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: the lightest heaviest run cutting the first i weights into k runs.
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                heaviest = max(best[k - 1][j], prefix[i] - prefix[j])
+                if heaviest < best[k][i]:
+                    best[k][i], cut[k][i] = heaviest, j
+    bounds = [n]
+    for k in range(parts, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
 
 
 def stage_view(model: nn.Module, keep: list[str], first: bool, last: bool) -> nn.Module:

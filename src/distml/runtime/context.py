@@ -396,7 +396,7 @@ class Context:
         if dist.get_rank() != 0:
             return None
         module = self._module()
-        state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
         return state, {name for name, _ in module.named_parameters()}
 
     def stage_leaders(self) -> list[int]:

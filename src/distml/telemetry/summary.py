@@ -101,18 +101,23 @@ def memory_per_rank(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, int]
 
 
 def measured_bubble(per_rank: list[list[dict[str, Any]]]) -> dict[str, Any] | None:
-    """The idle share of a pipeline schedule's run, 1 - (stage compute / schedule time): the
-    median over steps (the first left out: it infers shapes and builds the schedule) for each
-    pipeline rank, and their mean as the pipeline's bubble.
+    """The idle share of a pipeline step, 1 - (stage compute / step span), for each pipeline
+    rank as the median over steps (the first left out: it infers shapes and builds the
+    schedule), and their mean as the pipeline's bubble.
 
-    With equal stages every stage idles (p - 1) of (m + p - 1) slots. Unequal stages shift idle
-    time from the busiest stage to the others; ``per_rank`` shows how it fell.
+    A step spans the longest of the ranks' schedule runs: a stage that is done early (the last
+    one, while the first still drains its backward passes) idles until the step ends. With equal
+    stages each idles (p - 1) of (m + p - 1) slots; unequal stages shift idle time from the
+    busiest to the others, as ``per_rank`` shows.
     """
-    shares = []
-    for records in per_rank:
-        steps = [r for r in records[1:] if r.get("schedule_s")]
-        if steps:
-            shares.append(statistics.median(1 - r["stage_busy_s"] / r["schedule_s"] for r in steps))
-    if not shares:
+    timed = [[r for r in records[1:] if r.get("schedule_s")] for records in per_rank]
+    timed = [records for records in timed if records]
+    if not timed:
         return None
+    steps = min(len(records) for records in timed)
+    span = [max(records[t]["schedule_s"] for records in timed) for t in range(steps)]
+    shares = [
+        statistics.median(1 - records[t]["stage_busy_s"] / span[t] for t in range(steps))
+        for records in timed
+    ]
     return {"measured": statistics.fmean(shares), "per_rank": shares}

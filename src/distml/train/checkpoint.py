@@ -169,7 +169,9 @@ def gather_full_state(
     local: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         full = t.full_tensor() if isinstance(t, DTensor) else t
-        local[name.replace(_WRAPPED, "")] = full.detach().cpu()
+        local[name.replace(_WRAPPED, "")] = full.detach().to(
+            "cpu", copy=True
+        )  # a snapshot, not a view
     rank = dist.get_rank()
     mine = (
         [
