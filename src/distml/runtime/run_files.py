@@ -121,6 +121,24 @@ def print_summary(summary: dict[str, Any]) -> None:
     )
     for name, n in summary["comm_bytes"].items():
         table.add_row(f"{name} payload per rank", _fmt_bytes(n))
+    if "layout" in summary:
+        dims = ("pp", "dp", "fsdp", "tp")
+        table.add_row("layout", " x ".join(f"{d}={summary['layout'][d]}" for d in dims))
+        memory = summary["memory_per_rank"]
+        if memory:
+            table.add_row(
+                "state / activations (max rank)",
+                "{} / {}".format(
+                    _fmt_bytes(max(r["params"] + r["grads"] + r["optimizer"] for r in memory)),
+                    _fmt_bytes(max(r["activations"] for r in memory)),
+                ),
+            )
+        bubble = summary.get("bubble")
+        if bubble and bubble.get("measured") is not None:
+            table.add_row(
+                "pipeline bubble (measured / formula)",
+                f"{bubble['measured']:.3f} / {bubble['formula']:.3f}",
+            )
     table.add_row("energy", f"{summary['energy_j']:.1f} J ({summary['energy_source']})")
     stragglers = ", ".join(f"rank {s['rank']} ({s['ratio']:.2f}x)" for s in summary["stragglers"])
     table.add_row("stragglers", stragglers or "none")

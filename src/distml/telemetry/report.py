@@ -160,6 +160,28 @@ _RANK_COLUMNS = (
 )
 
 
+_MEMORY_COLUMNS = ("rank", "params", "grads", "optimizer", "activations", "total")
+
+
+def _layout_section(summary: dict[str, Any]) -> list[str]:
+    """The layout of a model-parallel run, its pipeline bubble and each rank's memory."""
+    if "layout" not in summary:
+        return []
+    parts = ["<h2>Layout</h2>", _table(["setting", "value"], list(summary["layout"].items()))]
+    bubble = summary.get("bubble")
+    if bubble:
+        rows = [
+            ["measured (mean of stages)", bubble.get("measured")],
+            ["formula (p-1)/(v m+p-1)", bubble.get("formula")],
+        ]
+        parts += ["<h3>Pipeline bubble</h3>", _table(["", "idle share"], rows)]
+    memory = summary.get("memory_per_rank") or []
+    if memory:
+        rows = [[r.get(c) for c in _MEMORY_COLUMNS] for r in memory]
+        parts += ["<h3>Memory per rank (bytes)</h3>", _table(list(_MEMORY_COLUMNS), rows)]
+    return parts
+
+
 def write_report(run_dir: Path, per_rank: Records, summary: dict[str, Any]) -> Path:
     """Write run_dir/'report.html' and return its path."""
     run_dir = Path(run_dir)
@@ -182,6 +204,7 @@ def write_report(run_dir: Path, per_rank: Records, summary: dict[str, Any]) -> P
         parts.append("<h2>Per rank</h2>")
         rows = [[r.get(c) for c in _RANK_COLUMNS] for r in ranks]
         parts.append(_table(list(_RANK_COLUMNS), rows))
+    parts.extend(_layout_section(summary))
     plots = _plots(per_rank, summary)
     parts.append("<h2>Plots</h2>")
     parts.extend(plots or ["<p>No steps were recorded.</p>"])
