@@ -74,11 +74,19 @@ def wait_until_quiet(threshold: float, max_wait_s: float) -> float:
 
 
 def add_noise_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quiet", type=float, default=0.25,
-                        help="before each run, wait until under this share of the CPUs is busy")
+    parser.add_argument(
+        "--quiet",
+        type=float,
+        default=0.25,
+        help="before each run, wait until under this share of the CPUs is busy",
+    )
     parser.add_argument("--max-wait", type=float, default=60.0, help="seconds; 0: do not wait")
-    parser.add_argument("--max-foreign", type=float, default=0.05,
-                        help="redo a run if other processes took more than this CPU share")
+    parser.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.05,
+        help="redo a run if other processes took more than this CPU share",
+    )
     parser.add_argument("--retries", type=int, default=2, help="redos per run, at most")
 
 

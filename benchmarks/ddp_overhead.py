@@ -133,7 +133,11 @@ def run_plain(cfg: dict[str, Any], nproc: int, tmp: Path, i: int) -> dict[str, A
 
 def run_distml(cfg: dict[str, Any], nproc: int, tmp: Path, i: int) -> dict[str, Any]:
     return distml.launch(
-        distml_worker, cfg, nproc=nproc, run_name=f"distml-{i}-{time.time_ns()}", runs_dir=tmp,
+        distml_worker,
+        cfg,
+        nproc=nproc,
+        run_name=f"distml-{i}-{time.time_ns()}",
+        runs_dir=tmp,
         telemetry={"progress": False},
     )
 
@@ -149,8 +153,13 @@ def main() -> None:
     add_noise_args(parser)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    cfg = {"sizes": sizes, "batch": args.batch, "lr": 0.01,
-           "warmup": args.warmup, "steps": args.steps}
+    cfg = {
+        "sizes": sizes,
+        "batch": args.batch,
+        "lr": 0.01,
+        "warmup": args.warmup,
+        "steps": args.steps,
+    }
     runners = {"distml": run_distml, "plain": run_plain}
     runs: dict[str, list[dict[str, Any]]] = {"distml": [], "plain": []}
     info = machine_info()
@@ -160,35 +169,64 @@ def main() -> None:
             for name in order:
                 res = measured(partial(runners[name], cfg, args.nproc, tmp, r), args)
                 samples = args.steps * args.batch * args.nproc
-                run = {"repeat": r, "samples_per_s": samples / res["wall_s"],
-                       "median_step_ms": 1e3 * median(res.pop("step_s")), **res}
+                run = {
+                    "repeat": r,
+                    "samples_per_s": samples / res["wall_s"],
+                    "median_step_ms": 1e3 * median(res.pop("step_s")),
+                    **res,
+                }
                 runs[name].append(run)
-                print(f"repeat {r} {name:6s} {run['samples_per_s']:9,.0f} samples/s  "
-                      f"median step {run['median_step_ms']:.2f} ms  cpu/wall "
-                      f"{'/'.join(f'{c:.2f}' for c in res['cpu_per_wall'])}  foreign "
-                      f"{res['foreign_share']:.1%}  attempts {res['attempts']}")
+                print(
+                    f"repeat {r} {name:6s} {run['samples_per_s']:9,.0f} samples/s  "
+                    f"median step {run['median_step_ms']:.2f} ms  cpu/wall "
+                    f"{'/'.join(f'{c:.2f}' for c in res['cpu_per_wall'])}  foreign "
+                    f"{res['foreign_share']:.1%}  attempts {res['attempts']}"
+                )
     med = {k: median([x["samples_per_s"] for x in v]) for k, v in runs.items()}
     step_ms = {k: median([x["median_step_ms"] for x in v]) for k, v in runs.items()}
-    pair_ratios = [d["samples_per_s"] / p["samples_per_s"]
-                   for d, p in zip(runs["distml"], runs["plain"], strict=True)]
+    pair_ratios = [
+        d["samples_per_s"] / p["samples_per_s"]
+        for d, p in zip(runs["distml"], runs["plain"], strict=True)
+    ]
     ratio = med["distml"] / med["plain"]
     foreign = median([x["foreign_share"] for v in runs.values() for x in v])
-    rows = [[k, f"{med[k]:,.0f}", spread([x["samples_per_s"] for x in runs[k]]),
-             f"{step_ms[k]:.2f}", f"{med[k] / med['plain']:.3f}"] for k in ("plain", "distml")]
+    rows = [
+        [
+            k,
+            f"{med[k]:,.0f}",
+            spread([x["samples_per_s"] for x in runs[k]]),
+            f"{step_ms[k]:.2f}",
+            f"{med[k] / med['plain']:.3f}",
+        ]
+        for k in ("plain", "distml")
+    ]
     print_table(
         f"DDP step overhead: {args.nproc} procs x batch {args.batch}, MLP {args.sizes}, "
         f"{args.steps} steps x {args.repeats} repeats; noise: median foreign CPU {foreign:.1%}",
-        ["side", "median samples/s", "min..max", "median step ms", "vs plain"], rows,
+        ["side", "median samples/s", "min..max", "median step ms", "vs plain"],
+        rows,
     )
-    print(f"distml / plain throughput: {ratio:.3f} (median of per-repeat ratios "
-          f"{median(pair_ratios):.3f}; goal >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'})")
-    path = write_json("ddp_overhead", {
-        "benchmark": "ddp_overhead", "machine": info, "args": vars(args),
-        "median_samples_per_s": med, "median_step_ms": step_ms, "ratio": ratio,
-        "pair_ratios": pair_ratios, "median_pair_ratio": median(pair_ratios),
-        "median_foreign_share": foreign,
-        "goal_ratio": 0.97, "met": ratio >= 0.97, "runs": runs,
-    })
+    print(
+        f"distml / plain throughput: {ratio:.3f} (median of per-repeat ratios "
+        f"{median(pair_ratios):.3f}; goal >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'})"
+    )
+    path = write_json(
+        "ddp_overhead",
+        {
+            "benchmark": "ddp_overhead",
+            "machine": info,
+            "args": vars(args),
+            "median_samples_per_s": med,
+            "median_step_ms": step_ms,
+            "ratio": ratio,
+            "pair_ratios": pair_ratios,
+            "median_pair_ratio": median(pair_ratios),
+            "median_foreign_share": foreign,
+            "goal_ratio": 0.97,
+            "met": ratio >= 0.97,
+            "runs": runs,
+        },
+    )
     print(f"wrote {path}")
 
 

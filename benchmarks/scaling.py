@@ -83,8 +83,12 @@ def worker(ctx: distml.Context, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def run_once(cfg: dict[str, Any], nproc: int, tmp: Path, r: int) -> dict[str, Any]:
     res = distml.launch(
-        worker, cfg, nproc=nproc, run_name=f"scaling-{nproc}-{r}-{time.time_ns()}",
-        runs_dir=tmp, telemetry={"progress": False},
+        worker,
+        cfg,
+        nproc=nproc,
+        run_name=f"scaling-{nproc}-{r}-{time.time_ns()}",
+        runs_dir=tmp,
+        telemetry={"progress": False},
     )
     return {
         "repeat": r,
@@ -113,29 +117,41 @@ def main() -> None:
                 run = measured(partial(run_once, cfg, nproc, tmp, r), args)
                 runs[nproc].append(run)
                 ms = run["per_step_ms"]
-                print(f"repeat {r} nproc {nproc}: {run['samples_per_s']:7,.1f} samples/s  "
-                      f"step {ms['step_s']:.1f} = compute {ms['compute_s']:.1f} + comm "
-                      f"{ms['comm_s']:.2f} + wait {ms['sync_wait_s']:.2f} ms  "
-                      f"cpu/wall {'/'.join(f'{c:.2f}' for c in run['cpu_per_wall'])}  "
-                      f"foreign {run['foreign_share']:.1%}  attempts {run['attempts']}")
+                print(
+                    f"repeat {r} nproc {nproc}: {run['samples_per_s']:7,.1f} samples/s  "
+                    f"step {ms['step_s']:.1f} = compute {ms['compute_s']:.1f} + comm "
+                    f"{ms['comm_s']:.2f} + wait {ms['sync_wait_s']:.2f} ms  "
+                    f"cpu/wall {'/'.join(f'{c:.2f}' for c in run['cpu_per_wall'])}  "
+                    f"foreign {run['foreign_share']:.1%}  attempts {run['attempts']}"
+                )
     tput = {n: median([x["samples_per_s"] for x in v]) for n, v in runs.items()}
-    parts = {n: {p: median([x["per_step_ms"][p] for x in v]) for p in PARTS}
-             for n, v in runs.items()}
+    parts = {
+        n: {p: median([x["per_step_ms"][p] for x in v]) for p in PARTS} for n, v in runs.items()
+    }
     speedup = tput[2] / tput[1]
-    pair_speedups = [b["samples_per_s"] / a["samples_per_s"]
-                     for a, b in zip(runs[1], runs[2], strict=True)]
+    pair_speedups = [
+        b["samples_per_s"] / a["samples_per_s"] for a, b in zip(runs[1], runs[2], strict=True)
+    ]
     rows = []
     for n in (1, 2):
         ms = parts[n]
         frac = {p: ms[p] / ms["step_s"] for p in PARTS}
-        rows.append([str(n), f"{tput[n]:,.1f}", spread([x["samples_per_s"] for x in runs[n]]),
-                     f"{ms['step_s']:.1f}", f"{ms['compute_s']:.1f} ({frac['compute_s']:.1%})",
-                     f"{ms['comm_s']:.2f} ({frac['comm_s']:.1%})",
-                     f"{ms['sync_wait_s']:.2f} ({frac['sync_wait_s']:.1%})"])
+        rows.append(
+            [
+                str(n),
+                f"{tput[n]:,.1f}",
+                spread([x["samples_per_s"] for x in runs[n]]),
+                f"{ms['step_s']:.1f}",
+                f"{ms['compute_s']:.1f} ({frac['compute_s']:.1%})",
+                f"{ms['comm_s']:.2f} ({frac['comm_s']:.1%})",
+                f"{ms['sync_wait_s']:.2f} ({frac['sync_wait_s']:.1%})",
+            ]
+        )
     print_table(
         f"Weak scaling: CNN, batch {args.batch}/worker, 1 thread/worker{', pinned' * args.pin}, "
         f"{args.steps} steps x {args.repeats} repeats (medians; ms per step, rank mean)",
-        ["workers", "samples/s", "min..max", "step ms", "compute ms", "comm ms", "wait ms"], rows,
+        ["workers", "samples/s", "min..max", "step ms", "compute ms", "comm ms", "wait ms"],
+        rows,
     )
     # Weak scaling: ideally a 2-worker step takes as long as a 1-worker step.
     lost = {
@@ -144,17 +160,31 @@ def main() -> None:
         "comm_ms": parts[2]["comm_s"],
         "sync_wait_ms": parts[2]["sync_wait_s"],
     }
-    print(f"speed-up 2 vs 1: {speedup:.2f}x (median of per-repeat {median(pair_speedups):.2f}x), "
-          f"efficiency {speedup / 2:.1%}; goal >= 1.8x: {'met' if speedup >= 1.8 else 'NOT met'}")
-    print("extra time per 2-worker step: {step_ms_over_1_worker:.1f} ms = compute slower by "
-          "{compute_inflation_ms:.1f} + comm {comm_ms:.2f} + wait {sync_wait_ms:.2f}"
-          .format(**lost))
-    path = write_json("scaling_pinned" if args.pin else "scaling", {
-        "benchmark": "scaling", "machine": info, "args": vars(args),
-        "median_samples_per_s": tput, "speedup": speedup, "efficiency": speedup / 2,
-        "pair_speedups": pair_speedups, "median_per_step_ms": parts, "lost_per_step_ms": lost,
-        "goal_speedup": 1.8, "met": speedup >= 1.8, "runs": runs,
-    })
+    print(
+        f"speed-up 2 vs 1: {speedup:.2f}x (median of per-repeat {median(pair_speedups):.2f}x), "
+        f"efficiency {speedup / 2:.1%}; goal >= 1.8x: {'met' if speedup >= 1.8 else 'NOT met'}"
+    )
+    print(
+        "extra time per 2-worker step: {step_ms_over_1_worker:.1f} ms = compute slower by "
+        "{compute_inflation_ms:.1f} + comm {comm_ms:.2f} + wait {sync_wait_ms:.2f}".format(**lost)
+    )
+    path = write_json(
+        "scaling_pinned" if args.pin else "scaling",
+        {
+            "benchmark": "scaling",
+            "machine": info,
+            "args": vars(args),
+            "median_samples_per_s": tput,
+            "speedup": speedup,
+            "efficiency": speedup / 2,
+            "pair_speedups": pair_speedups,
+            "median_per_step_ms": parts,
+            "lost_per_step_ms": lost,
+            "goal_speedup": 1.8,
+            "met": speedup >= 1.8,
+            "runs": runs,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -121,6 +121,8 @@ class TelemetryConfig(_Model):
     straggler_factor: Annotated[float, Field(gt=1.0)] = 1.25
     simulate_straggler: tuple[int, float] | None = None
     watts_per_cpu_core: Annotated[float, Field(gt=0)] = 10.0
+    # Model-parallel layouts: collectives are intercepted on steps 0, 1 and every N-th step.
+    comm_sample_every: Annotated[int, Field(ge=1)] = 20
     progress: bool = True
 
 

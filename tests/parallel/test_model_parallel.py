@@ -85,7 +85,7 @@ def flat(tensors: dict[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
     return torch.cat([tensors[k].detach().reshape(-1) for k in keys])
 
 
-def step_bytes(out: dict, rank: int = 0, step: int = 2, kind: str = "comm_bytes") -> dict:
+def step_bytes(out: dict, rank: int = 0, step: int = 1, kind: str = "comm_bytes") -> dict:
     """One middle step's bytes by collective on one rank: the first step also infers the
     pipeline's shapes, the last gathers the gradients the oracle compares."""
     (rec,) = [r for r in out["records"] if r["rank"] == rank and r["step"] == step]
@@ -114,6 +114,15 @@ def test_traffic_matches_the_formulas(runs):
     tp = step_bytes(runs("tp2"))
     # Megatron: 2 all-reduces forward (after attention, after the MLP), 2 backward, per block.
     assert tp == {"all_reduce": 4 * L * ACTIVATION}
+    # Steps 0 and 1 are intercepted; the later ones repeat step 1's measured bytes.
+    assert [r["comm_measured"] for r in runs("tp2")["records"] if r["rank"] == 0] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+    assert step_bytes(runs("tp2"), step=3) == tp
     sp = step_bytes(runs("tp2-sequence-parallel"))
     # Sequence parallel: each all-reduce becomes a reduce-scatter of the (b, s, h) activation
     # and an all-gather of its (b, s/2, h) shards; two more gathers of shards where the split

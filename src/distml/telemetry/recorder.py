@@ -38,6 +38,8 @@ class StepRecord:
     memory_bytes: dict[str, int] = field(default_factory=dict)
     stage_busy_s: float | None = None
     schedule_s: float | None = None
+    # False where the step's collectives were not intercepted but repeat the last sampled step's.
+    comm_measured: bool = True
     # Filled in at the end of the run, when every rank's compute time is known.
     sync_wait_s: float = 0.0
     comm_s: float = 0.0
@@ -67,6 +69,7 @@ class StepRecorder:
         self._bytes: dict[str, int] = defaultdict(int)
         self._wire: dict[str, int] = defaultdict(int)
         self._calls: dict[str, int] = defaultdict(int)
+        self._measured = True
 
     def begin_step(self) -> None:
         self._t0 = time.perf_counter()
@@ -76,6 +79,7 @@ class StepRecorder:
         self._bytes.clear()
         self._wire.clear()
         self._calls.clear()
+        self._measured = True
 
     def grads_ready(self) -> None:
         """This rank's gradients (so far) are computed and handed to the network."""
@@ -86,6 +90,17 @@ class StepRecorder:
         self._bytes[collective] += nbytes
         self._wire[collective] += wire_bytes
         self._calls[collective] += 1
+
+    def repeat_comm(self, sample: StepRecord, now: float) -> None:
+        """This step moved what ``sample`` (a step whose collectives were measured) moved, and
+        was blocked in communication for the same share of its time so far."""
+        for collective, nbytes in sample.comm_bytes.items():
+            self._bytes[collective] += nbytes
+            self._wire[collective] += sample.wire_bytes.get(collective, 0)
+            self._calls[collective] += sample.comm_calls.get(collective, 0)
+        share = sample.exposed_comm_s / sample.step_s if sample.step_s > 0 else 0.0
+        self._exposed_extra += share * (now - self._t0)
+        self._measured = False
 
     def add_exposed(self, seconds: float) -> None:
         """Communication outside backward (a Local SGD sync) that this step waited for."""
@@ -119,6 +134,7 @@ class StepRecorder:
             memory_bytes=memory or {},
             stage_busy_s=pipeline[0] if pipeline else None,
             schedule_s=pipeline[1] if pipeline else None,
+            comm_measured=self._measured,
         )
         self.records.append(record)
         return record
