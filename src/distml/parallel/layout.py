@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -102,9 +102,6 @@ class ModelParallel:
         return self.mesh["dp", "fsdp"]._flatten("data").get_group()
 
     # -- training ---------------------------------------------------------------------------
-    def no_sync(self) -> AbstractContextManager:
-        return nullcontext()
-
     def forward_backward(
         self,
         batch: Any,
@@ -215,8 +212,7 @@ class ModelParallel:
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
-    codes = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int64: 3}
-    return torch.tensor([codes[t.dtype], t.dim(), *t.shape], dtype=torch.long)
+    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape], dtype=torch.long)
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
@@ -273,7 +269,7 @@ def apply_layout(
     ids = [0]
     if dims.pp > 1:
         plan = PipelinePlan(mesh["pp"].get_local_rank(), dims.pp, par.virtual_stages)
-        views, ids = build_stages(model, plan, par.split_points, device, mesh["pp"].get_group())
+        views, ids = build_stages(model, plan, par.split_points)
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], tp_plan, par.sequence_parallel)
     blocks = getattr(model, "blocks", None)

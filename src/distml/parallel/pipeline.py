@@ -21,8 +21,6 @@ import copy
 import time
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -188,8 +186,6 @@ def build_stages(
     model: nn.Module,
     plan: PipelinePlan,
     split_points: list[str] | None,
-    device: torch.device,
-    group: dist.ProcessGroup,
 ) -> tuple[list[nn.Module], list[int]]:
     """Cut ``model`` in place down to this rank's share; returns the stage modules (views of
     it) and their stage ids. Call before tensor parallelism, checkpointing and FSDP, which then
