@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 CONFIG_ENV = "DISTML_CONFIG"
 
-STRATEGIES = ("ddp", "local-sgd")
+STRATEGIES = ("ddp", "local-sgd", "ps")
+CONSISTENCIES = ("bsp", "asp", "ssp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -57,9 +58,10 @@ class GPTConfig(_Model):
 
 class StrategyConfig(_Model):
     """How the model is distributed. ``ddp``: synchronous data parallelism (all-reduce every
-    step). ``local-sgd``: H local steps, then averaged parameters through an outer optimizer."""
+    step). ``local-sgd``: H local steps, then averaged parameters through an outer optimizer.
+    ``ps``: parameter servers hold the parameters (see :class:`PSConfig`)."""
 
-    name: Literal["ddp", "local-sgd"] = "ddp"
+    name: Literal["ddp", "local-sgd", "ps"] = "ddp"
     compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
     powersgd_rank: Annotated[int, Field(ge=1)] = 2
     powersgd_start_iter: Annotated[int, Field(ge=1)] = 2
@@ -75,6 +77,34 @@ class StrategyConfig(_Model):
         if self.name == "local-sgd" and self.compression != "none":
             raise ValueError("local-sgd averages parameters; gradient compression is for ddp")
         return self
+
+
+class PSConfig(_Model):
+    """A parameter-server job: ``servers`` shards started with the job (or ``addresses`` of
+    shards already running, ``distml ps serve``), and the consistency rule they apply.
+
+    ``ssp`` waits while the slowest worker is more than ``staleness`` steps behind. ``bsp``
+    completes a step with the first (workers - ``backup_workers``) gradients. A worker silent for
+    ``heartbeat_timeout_s`` leaves the barrier until it registers again.
+    """
+
+    consistency: Literal["bsp", "asp", "ssp"] = "bsp"
+    staleness: Annotated[int, Field(ge=0)] = 0
+    backup_workers: Annotated[int, Field(ge=0)] = 0
+    servers: Annotated[int, Field(ge=1)] = 1
+    addresses: list[str] | None = None
+    staleness_lr: bool = False
+    snapshot_every: Annotated[int, Field(ge=1)] = 50
+    heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    max_body_mb: Annotated[float, Field(gt=0)] = 256.0
+
+    @field_validator("addresses")
+    @classmethod
+    def _urls(cls, v: list[str] | None) -> list[str] | None:
+        for url in v or []:
+            if not re.fullmatch(r"https?://[^/\s]+/?", url):
+                raise ValueError(f"{url!r} is not http(s)://HOST:PORT")
+        return v
 
 
 class ParallelConfig(_Model):
@@ -143,6 +173,7 @@ class RunConfig(_Model):
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     model: GPTConfig | None = None
+    ps: PSConfig = Field(default_factory=PSConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
     @field_validator("run_name")
@@ -179,6 +210,7 @@ class RunConfig(_Model):
                     f"({self.max_nodes} node(s) x {self.nproc} process(es))"
                 )
         self._check_model_parallel()
+        self._check_ps()
         straggler = self.telemetry.simulate_straggler
         if straggler is not None and self.min_nodes == self.max_nodes:
             rank, factor = straggler
@@ -188,6 +220,25 @@ class RunConfig(_Model):
                     " and FACTOR >= 1"
                 )
         return self
+
+    def _check_ps(self) -> None:
+        if self.strategy.name != "ps":
+            return
+        ps, workers = self.ps, self.world_size
+        if ps.backup_workers >= workers:
+            raise ValueError(
+                f"--backup-workers {ps.backup_workers} leaves no worker to wait for: "
+                f"there are {workers} workers"
+            )
+        if ps.backup_workers and ps.consistency != "bsp":
+            raise ValueError("backup workers are a BSP option; ASP and SSP never wait for all")
+        if self.max_nodes > 1 and ps.addresses is None:
+            raise ValueError(
+                "a parameter-server job across machines needs the servers' --ps-servers URLs "
+                "(start them with `distml ps serve`)"
+            )
+        if self.strategy.compression != "none" or self.strategy.grad_accum != 1:
+            raise ValueError("compression and grad_accum are ddp options")
 
     def _check_model_parallel(self) -> None:
         """Refuse, before anything starts, a layout that the model or the strategy cannot take."""
@@ -285,9 +336,23 @@ def parse_strategy(text: str) -> dict[str, object]:
     if name not in STRATEGIES:
         raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
     fields: dict[str, object] = {"name": name}
+    if name == "ps" and options:
+        raise ConfigError("--strategy ps takes no options: use --consistency, --servers, ...")
     if name == "local-sgd" and options.strip().isdigit():
         return {**fields, "sync_every": options.strip()}
     return {**fields, **parse_options(options, f"--strategy {text!r}")}
+
+
+def parse_consistency(text: str) -> dict[str, object]:
+    """``"bsp"``, ``"asp"`` or ``"ssp:S"`` -> PSConfig fields."""
+    name, _, bound = text.partition(":")
+    if (
+        name not in CONSISTENCIES
+        or (name == "ssp") != bool(bound)
+        or not (bound.isdigit() or not bound)
+    ):
+        raise ConfigError(f"--consistency {text!r}: expected bsp, asp or ssp:S (S >= 0)")
+    return {"consistency": name, "staleness": int(bound or 0)}
 
 
 def parse_options(text: str, flag: str) -> dict[str, object]:

@@ -13,6 +13,7 @@ from distml.config import (
     ConfigError,
     build_config,
     load_config,
+    parse_consistency,
     parse_mesh,
     parse_nnodes,
     parse_options,
@@ -69,6 +70,7 @@ def resolve_run_config(
     microbatches: int | None = None,
     parallel: str | None = None,
     model: str | None = None,
+    ps: dict[str, Any] | None = None,
 ):
     """Command-line flags over the config file over defaults, validated as one RunConfig."""
     fields: dict[str, Any] = {}
@@ -107,6 +109,8 @@ def resolve_run_config(
         fields["parallel"] = par
     if model is not None:
         fields["model"] = {**fields.get("model", {}), **parse_options(model, f"--model {model!r}")}
+    if ps:
+        fields["ps"] = {**fields.get("ps", {}), **ps}
     if simulate_straggler is not None:
         telemetry = dict(fields.get("telemetry", {}))
         telemetry["simulate_straggler"] = parse_straggler(simulate_straggler)
@@ -165,11 +169,30 @@ def run(
     simulate_straggler: Annotated[
         str | None, typer.Option(help="RANK:FACTOR slows one rank's compute.")
     ] = None,
+    consistency: Annotated[
+        str | None, typer.Option(help="--strategy ps: bsp, asp or ssp:S.")
+    ] = None,
+    servers: Annotated[int | None, typer.Option(help="--strategy ps: server shards.")] = None,
+    backup_workers: Annotated[
+        int | None, typer.Option(help="--strategy ps, bsp: gradients a step does not wait for.")
+    ] = None,
+    ps_servers: Annotated[
+        str | None, typer.Option(help="--strategy ps: URLs of running shards, comma-separated.")
+    ] = None,
     config: Annotated[Path | None, typer.Option("--config", help="A TOML run config.")] = None,
     module: Annotated[bool, typer.Option("-m", "--module", help="SCRIPT is a module.")] = False,
 ) -> None:
     """Run SCRIPT [ARGS...] in worker processes, as torchrun would, with restarts and telemetry."""
+    ps: dict[str, Any] = {}
     try:
+        if consistency is not None:
+            ps.update(parse_consistency(consistency))
+        if servers is not None:
+            ps["servers"] = servers
+        if backup_workers is not None:
+            ps["backup_workers"] = backup_workers
+        if ps_servers is not None:
+            ps["addresses"] = [u for u in ps_servers.split(",") if u]
         cfg = resolve_run_config(
             config_file=config,
             nproc=nproc,
@@ -188,14 +211,22 @@ def run(
             microbatches=microbatches,
             parallel=parallel,
             model=model,
+            ps=ps,
         )
     except ConfigError as exc:
         fail_usage(str(exc))
+    if ps and cfg.strategy.name != "ps":
+        fail_usage("--consistency, --servers, --backup-workers and --ps-servers need --strategy ps")
     if not module and not Path(script).is_file():
         fail_usage(f"no such script: {script}")
     target = ["-m", script] if module else [script]
     try:
-        run_workers(cfg, sys.executable, ("-u", *target, *ctx.args))
+        if cfg.strategy.name == "ps":
+            from distml.ps.job import run_ps_job
+
+            run_ps_job(cfg, [sys.executable, "-u", *target, *ctx.args])
+        else:
+            run_workers(cfg, sys.executable, ("-u", *target, *ctx.args))
     except LaunchError as exc:
         report_failure("distml run failed", exc)
         raise typer.Exit(1) from None
@@ -233,11 +264,13 @@ def demo(
 
 from distml.cli.generate import generate  # noqa: E402  (after the helpers they use)
 from distml.cli.plan import bench, plan, simulate  # noqa: E402
+from distml.cli.ps import ps_app  # noqa: E402
 
 app.command(name="plan")(plan)
 app.command(name="bench")(bench)
 app.command(name="simulate")(simulate)
 app.command(name="generate")(generate)
+app.add_typer(ps_app, name="ps")
 
 
 def main() -> None:

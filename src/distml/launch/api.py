@@ -25,6 +25,49 @@ def _trampoline(payload: bytes) -> Any:
         return fn(ctx, *args, **kwargs)
 
 
+def _ps_worker_main(payload_path: str) -> None:
+    """A parameter-server worker started by ``launch``: run the function, keep its result
+    (tensors, numbers, lists and dicts: what ``torch.load(weights_only=True)`` reads back)."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from distml.runtime.context import Context
+
+    path = Path(payload_path)
+    # The parent's import path, as multiprocessing's spawn passes it: functions pickled by
+    # reference (a test module's, a script's) import from where the parent found them.
+    sys.path[:0] = [p for p in json.loads(path.with_suffix(".path.json").read_text())]
+    fn, args, kwargs = cloudpickle.loads(path.read_bytes())
+    with Context.create() as ctx:
+        result = fn(ctx, *args, **kwargs)
+        attempt = os.environ.get("DISTML_ATTEMPT", "0")
+        out = ctx.run_dir / "workers"
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(result, out / f"result-rank-{ctx.rank}-{attempt}.pt")
+
+
+def _launch_ps(config: RunConfig, payload: bytes) -> Any:
+    import json
+    import sys
+
+    import torch
+
+    from distml.ps.job import run_ps_job
+
+    path = config.run_dir / "launch-payload.pkl"  # this process's own function, for its children
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(payload)
+    path.with_suffix(".path.json").write_text(json.dumps(sys.path))
+    code = f"from distml.launch.api import _ps_worker_main; _ps_worker_main({str(path)!r})"
+    run_ps_job(config, [sys.executable, "-u", "-c", code])
+    results = sorted((config.run_dir / "workers").glob("result-rank-0-*.pt"))
+    return torch.load(results[-1], weights_only=True) if results else None
+
+
 def launch(
     fn: Callable[..., T],
     *args: Any,
@@ -47,5 +90,7 @@ def launch(
     if config is None:
         config = build_config(nproc=nproc, **settings)
     payload = cloudpickle.dumps((fn, args, {}))
+    if config.strategy.name == "ps":  # shards and workers, each process on its own
+        return _launch_ps(config, payload)
     results = run_workers(config, _trampoline, (payload,))
     return results.get(0)

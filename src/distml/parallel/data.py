@@ -76,6 +76,8 @@ class Accounting(Protocol):
 
     def add_comm(self, collective: str, nbytes: int, wire_bytes: int) -> None: ...
 
+    def add_sync_wait(self, seconds: float) -> None: ...
+
 
 class DataParallel:
     """The strategy object Context drives: DDP, plus what to account after each backward."""

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,9 @@ from distml.telemetry.memory import ActivationTracker, model_state_bytes
 from distml.telemetry.recorder import StepRecord, StepRecorder
 from distml.train import checkpoint as ckpt
 from distml.train.evaluate import Metric, evaluate
+
+if TYPE_CHECKING:
+    from distml.ps.worker import ParameterServerWorker
 
 
 def _pick_device(local_rank: int) -> tuple[torch.device, str]:
@@ -76,17 +79,23 @@ class Context:
     """Rank, world, device, mesh and seed of one worker, and the run it belongs to."""
 
     def __init__(
-        self, config: RunConfig, device: torch.device, mesh: DeviceMesh, dims: ParallelDims
+        self,
+        config: RunConfig,
+        device: torch.device,
+        mesh: DeviceMesh,
+        dims: ParallelDims,
+        rank: int | None = None,
+        world_size: int | None = None,
     ):
         self.config = config
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world_size = dist.get_world_size() if world_size is None else world_size
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = device
         self.mesh = mesh
         self.dims = dims
-        self.data_rank = dims.data_rank(self.rank)
-        self.data_world = dims.data_parallel
+        self.data_rank = self.rank if self.ps else dims.data_rank(self.rank)
+        self.data_world = self.world_size if self.ps else dims.data_parallel
         self.run_dir = config.run_dir
         self.attempt = int(os.environ.get("DISTML_ATTEMPT", 0))
         self.step = 0
@@ -100,7 +109,8 @@ class Context:
         self._started = time.perf_counter()
         self._last_compute = 0.0
         self._scaler: torch.amp.GradScaler | None = None
-        self._strategy: DataParallel | LocalSGD | ModelParallel | None = None
+        self._strategy: DataParallel | LocalSGD | ModelParallel | ParameterServerWorker | None
+        self._strategy = None
         self._activations = ActivationTracker()
         self._comm_sample: StepRecord | None = None  # the last step whose collectives were seen
 
@@ -113,6 +123,12 @@ class Context:
     @property
     def model_parallel(self) -> bool:
         return isinstance(self._strategy, ModelParallel)
+
+    @property
+    def ps(self) -> bool:
+        """A parameter-server worker: no process group with the other workers; the servers
+        hold the parameters and the optimizer."""
+        return self.config.strategy.name == "ps"
 
     # -- creation ---------------------------------------------------------------------------
     @classmethod
@@ -128,8 +144,9 @@ class Context:
         )
         device, backend = _pick_device(int(os.environ.get("LOCAL_RANK", 0)))
         timeout = timedelta(seconds=config.timeout_s)
+        ps = config.strategy.name == "ps"
         if not dist.is_initialized():
-            if "WORLD_SIZE" in os.environ:
+            if "WORLD_SIZE" in os.environ and not ps:
                 dist.init_process_group(backend, timeout=timeout)
             else:
                 store = dist.HashStore()
@@ -137,6 +154,9 @@ class Context:
         dims = ParallelDims.from_mesh(config.mesh, dist.get_world_size())
         mesh = dims.build_mesh(device.type)
         seed_everything(config.seed)  # identical on every rank: replicas start identical
+        if ps:  # workers of a parameter server are a world of one each, and know their rank
+            world = int(os.environ.get("WORLD_SIZE", 1))
+            return cls(config, device, mesh, dims, int(os.environ.get("RANK", 0)), world)
         return cls(config, device, mesh, dims)
 
     def __enter__(self) -> Context:
@@ -153,6 +173,8 @@ class Context:
         a thread that is still releasing a Python future callback waits for that GIL forever.
         """
         self._progress.stop()
+        if self.ps and self._strategy is not None:
+            self._strategy.close()
         if not dist.is_initialized():
             return
         dist.barrier()
@@ -179,6 +201,16 @@ class Context:
             self._strategy, optimizer = apply_layout(
                 model, optimizer, self.dims, self.mesh, self.config, self.device
             )
+        elif self.ps:
+            from distml.ps.worker import ParameterServerWorker, servers_from_env
+
+            if optimizer is None:
+                raise ValueError("a parameter-server worker needs the optimizer the servers apply")
+            urls, token = servers_from_env()
+            self._strategy = ParameterServerWorker(
+                model, optimizer, self.rank, urls, token, self.recorder
+            )
+            self.step = self._strategy.start_step  # a restarted worker resumes at its clock
         elif cfg.name == "local-sgd":
             self._strategy = LocalSGD(model, cfg, self.recorder)
         else:
@@ -260,7 +292,9 @@ class Context:
                 losses.append(loss.detach())
         self._strategy.after_backward()
         backward_done = time.perf_counter()
-        if self._scaler is not None:
+        if self.ps:  # the servers step; this worker pushes and pulls
+            rec.add_exposed(self._strategy.step(self.step))
+        elif self._scaler is not None:
             self._scaler.step(self.optimizer)
             self._scaler.update()
         else:
@@ -388,13 +422,27 @@ class Context:
         return extra
 
     def save_checkpoint(self) -> Path:
-        """Save model, optimizer, step, loader positions and RNG states (all ranks call this)."""
+        """Save model, optimizer, step, loader positions and RNG states (all ranks call this).
+
+        Under a parameter server the servers hold the state: each writes its snapshot now."""
+        if self.ps:
+            return self._strategy.snapshot()[0].parent
         return ckpt.save_checkpoint(
             self.checkpoint_dir, self.step, self._module(), self.optimizer, self._extra_state()
         )
 
     def load_checkpoint(self, path: Path | None = None) -> bool:
-        """Resume from ``path`` or this run's latest checkpoint; False if there is none."""
+        """Resume from ``path`` or this run's latest checkpoint; False if there is none.
+
+        A parameter-server worker resumes from the servers: its step is its clock there, and its
+        loaders move past the batches of the steps it already pushed."""
+        if self.ps:
+            for loader in self.loaders:
+                per_epoch = max(len(loader), 1)
+                loader.load_state_dict(
+                    {"epoch": self.step // per_epoch, "position": self.step % per_epoch}
+                )
+            return self.step > 0
         path = path or ckpt.latest_checkpoint(self.checkpoint_dir)
         if path is None:
             return False
@@ -436,6 +484,11 @@ class Context:
     def finish(self, eval: dict[str, float] | None = None) -> dict[str, Any]:
         """Gather every rank's measurements and write the run directory. Returns the summary."""
         self._progress.stop()
+        if self.ps:
+            from distml.ps.job import write_worker_files
+
+            self._strategy.finalize()
+            return write_worker_files(self, eval or {})
         return write_run_files(self, eval or {})
 
 

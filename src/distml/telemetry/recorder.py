@@ -66,6 +66,7 @@ class StepRecorder:
         self._energy0 = 0.0
         self._last_launch: float | None = None
         self._exposed_extra = 0.0
+        self._wait = 0.0
         self._bytes: dict[str, int] = defaultdict(int)
         self._wire: dict[str, int] = defaultdict(int)
         self._calls: dict[str, int] = defaultdict(int)
@@ -76,6 +77,7 @@ class StepRecorder:
         self._energy0 = self.energy.read()
         self._last_launch = None
         self._exposed_extra = 0.0
+        self._wait = 0.0
         self._bytes.clear()
         self._wire.clear()
         self._calls.clear()
@@ -106,6 +108,11 @@ class StepRecorder:
         """Communication outside backward (a Local SGD sync) that this step waited for."""
         self._exposed_extra += seconds
 
+    def add_sync_wait(self, seconds: float) -> None:
+        """Of the exposed communication, time a server's consistency rule held this worker (a
+        parameter server measures it; an all-reduce's wait is derived at the end instead)."""
+        self._wait += seconds
+
     def end_step(
         self,
         step: int,
@@ -135,6 +142,8 @@ class StepRecorder:
             stage_busy_s=pipeline[0] if pipeline else None,
             schedule_s=pipeline[1] if pipeline else None,
             comm_measured=self._measured,
+            sync_wait_s=min(self._wait, exposed),
+            comm_s=exposed - min(self._wait, exposed),
         )
         self.records.append(record)
         return record

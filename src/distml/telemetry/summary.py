@@ -51,9 +51,16 @@ def _sum_by_key(dicts: list[dict[str, int]]) -> dict[str, int]:
     return dict(total)
 
 
-def summarize(per_rank: list[list[dict[str, Any]]], straggler_factor: float) -> dict[str, Any]:
-    """Totals over the run. Byte counts are per rank (rank 0's); times are sums over steps."""
-    attribute_waits(per_rank)
+def summarize(
+    per_rank: list[list[dict[str, Any]]], straggler_factor: float, measured_waits: bool = False
+) -> dict[str, Any]:
+    """Totals over the run. Byte counts are per rank (rank 0's); times are sums over steps.
+
+    ``measured_waits``: the records carry their own ``sync_wait_s`` (a parameter server's), which
+    is kept; otherwise waits are derived from the ranks' compute times (:func:`attribute_waits`).
+    """
+    if not measured_waits:
+        attribute_waits(per_rank)
     steps = min((len(r) for r in per_rank), default=0)
     rank0 = per_rank[0][:steps] if per_rank else []
     train_s = sum(max(records[t]["step_s"] for records in per_rank) for t in range(steps))

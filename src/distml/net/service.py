@@ -1,0 +1,106 @@
+"""An ASGI service as distml builds them: FastAPI with a bearer token on every route, a cap on
+request bodies, ``/healthz`` through the real work path, ``/metrics`` for Prometheus, and uvicorn
+(with TLS when given a certificate) to serve it.
+
+>>> app = create_app("echo", token="s3cret", health=lambda: {"ok": True})
+>>> serve(app, "127.0.0.1", 8080)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.responses import Response
+
+TOKEN_ENV = "DISTML_TOKEN"
+DEFAULT_MAX_BODY = 256 * 2**20
+
+Health = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
+
+
+def token_from_env(env: str = TOKEN_ENV) -> str:
+    """The service token from the environment (never from the command line, where ``ps`` shows
+    it to every user of the machine)."""
+    token = os.environ.get(env, "")
+    if len(token) < 16:
+        raise ValueError(f"set {env} to a token of at least 16 characters")
+    return token
+
+
+def create_app(
+    title: str, token: str, health: Health, registry: CollectorRegistry | None = None
+) -> FastAPI:
+    """A FastAPI app whose every route, ``/healthz`` and ``/metrics`` included, needs
+    ``Authorization: Bearer <token>``. ``health()`` does real work: a failure answers 503."""
+    bearer = HTTPBearer(auto_error=False)
+    expected = token.encode()
+
+    def authenticate(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if creds is None or not secrets.compare_digest(creds.credentials.encode(), expected):
+            raise HTTPException(
+                401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+            )
+
+    app = FastAPI(title=title, dependencies=[Depends(authenticate)])
+    app.state.registry = registry or CollectorRegistry()
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        try:
+            result = health()
+            if inspect.isawaitable(result):
+                result = await result
+        except Exception as exc:  # the health check's own failure is the answer
+            raise HTTPException(503, f"unhealthy: {exc}") from None
+        return {"status": "ok", **result}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(app.state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def read_body(request: Request, limit: int = DEFAULT_MAX_BODY) -> bytes:
+    """The request body, refused with 413 once it passes ``limit`` bytes (the declared length is
+    checked first; a body without one is counted as it streams)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise HTTPException(413, f"body over the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"body over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def serve(
+    app: FastAPI,
+    host: str,
+    port: int,
+    *,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+    log_level: str = "warning",
+) -> None:
+    """Serve ``app`` until SIGINT/SIGTERM (uvicorn finishes the requests in flight first)."""
+    import uvicorn
+
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
+        log_level=log_level,
+        access_log=False,
+    )

@@ -1,0 +1,185 @@
+"""The parameter-server shard as a web service (the routes; the rules are in
+:mod:`distml.ps.shard`).
+
+Every route needs the bearer token. Workers identify themselves with ``worker=RANK``; tensors
+travel as safetensors bodies; a push that does not fit the shard is answered 400 and changes
+nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import FastAPI, HTTPException, Query, Request
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.responses import Response
+
+from distml.net import create_app, decode_tensors, encode_tensors, read_body
+from distml.net.tensors import TensorPayloadError
+from distml.ps.shard import NotInitialized, ParameterShard, PushRejected
+from distml.ps.snapshot import load_snapshot, save_snapshot
+
+SAFETENSORS = "application/octet-stream"
+Worker = Annotated[int, Query(ge=0, lt=100_000)]
+Count = Annotated[int, Query(ge=0)]
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.pushes = Counter(
+            "distml_ps_pushes", "Pushes by outcome", ["status"], registry=registry
+        )
+        self.version = Gauge("distml_ps_version", "Optimizer steps applied", registry=registry)
+        self.apply = Histogram("distml_ps_apply_seconds", "Optimizer step time", registry=registry)
+        self.bytes = Counter("distml_ps_bytes", "Payload bytes", ["direction"], registry=registry)
+
+
+def create_shard_app(
+    shard: ParameterShard,
+    token: str,
+    *,
+    snapshot_path: Path | None = None,
+    snapshot_every: int = 50,
+    max_body_bytes: int = 256 * 2**20,
+) -> FastAPI:
+    """The ASGI app of one shard. With ``snapshot_path``, the shard restores from it at start
+    and writes it every ``snapshot_every`` versions."""
+    last_snapshot = {"version": 0}
+
+    async def health() -> dict[str, Any]:
+        async with shard.lock:  # what a pull does: read every parameter under the lock
+            body = encode_tensors(dict(shard.params)) if shard.initialized else b""
+        return {"version": shard.version, "param_bytes": len(body)}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if snapshot_path is not None and snapshot_path.exists():
+            load_snapshot(shard, snapshot_path)
+            last_snapshot["version"] = shard.version
+        interval = shard.settings.heartbeat_timeout_s / 4
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                await shard.check_liveness()
+
+        task = asyncio.create_task(watch())
+        yield
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+
+    app = create_app("distml parameter server", token, health)
+    app.router.lifespan_context = lifespan
+    metrics = _Metrics(app.state.registry)
+
+    async def snapshot_if_due(force: bool = False) -> None:
+        if snapshot_path is None:
+            return
+        if force or shard.version - last_snapshot["version"] >= snapshot_every:
+            async with shard.lock:
+                await asyncio.to_thread(save_snapshot, shard, snapshot_path)
+                last_snapshot["version"] = shard.version
+
+    async def tensors_of(request: Request) -> tuple[dict, dict[str, str], int]:
+        body = await read_body(request, max_body_bytes)
+        try:
+            tensors, meta = decode_tensors(body)
+        except TensorPayloadError as exc:
+            raise HTTPException(400, str(exc)) from None
+        return tensors, meta, len(body)
+
+    @app.post("/v1/register")
+    async def register(worker: Worker) -> dict[str, Any]:
+        return await shard.register(worker)
+
+    @app.post("/v1/init")
+    async def initialize(request: Request, worker: Worker) -> dict[str, Any]:
+        tensors, meta, _ = await tensors_of(request)
+        try:
+            spec = json.loads(meta.get("optimizer", ""))
+            done = await shard.initialize(tensors, spec)
+        except (ValueError, PushRejected) as exc:
+            raise HTTPException(400, f"bad initialisation: {exc}") from None
+        if done:
+            await snapshot_if_due(force=True)
+        return {"initialized": done, **shard.status()}
+
+    @app.post("/v1/push")
+    async def push(request: Request, worker: Worker, step: Count, version: Count) -> dict[str, Any]:
+        grads, _, nbytes = await tensors_of(request)
+        try:
+            answer = await shard.push(worker, step, version, grads, nbytes)
+        except PushRejected as exc:
+            metrics.pushes.labels("rejected").inc()
+            raise HTTPException(400, str(exc)) from None
+        except NotInitialized as exc:
+            raise HTTPException(409, str(exc)) from None
+        metrics.pushes.labels(answer["status"]).inc()
+        metrics.bytes.labels("pushed").inc(nbytes)
+        metrics.version.set(shard.version)
+        if shard.apply_s:
+            metrics.apply.observe(shard.apply_s[-1])
+        await snapshot_if_due()
+        return {**answer, "generation": shard.generation}
+
+    @app.get("/v1/params")
+    async def params(
+        worker: Worker,
+        min_version: Count = 0,
+        wait_s: Annotated[float, Query(gt=0, le=60)] = 10.0,
+        generation: Annotated[str, Query(max_length=64)] = "",
+    ) -> Response:
+        got = await shard.pull(worker, min_version, wait_s, generation)
+        if got is None:
+            raise HTTPException(425, "not readable yet under the consistency rule; ask again")
+        tensors, version, waited = got
+        body = await asyncio.to_thread(encode_tensors, tensors)
+        shard.bytes_pulled += len(body)
+        metrics.bytes.labels("pulled").inc(len(body))
+        headers = {
+            "X-Version": str(version),
+            "X-Generation": shard.generation,
+            "X-Wait-S": f"{waited:.6f}",
+        }
+        return Response(body, media_type=SAFETENSORS, headers=headers)
+
+    @app.get("/v1/state")
+    async def state() -> Response:
+        """The parameters now, for an observer that is not a worker (the final export)."""
+        if not shard.initialized:
+            raise HTTPException(409, "the shard has no parameters yet")
+        tensors, version = await shard.read()
+        body = await asyncio.to_thread(encode_tensors, tensors)
+        return Response(body, media_type=SAFETENSORS, headers={"X-Version": str(version)})
+
+    @app.post("/v1/heartbeat")
+    async def heartbeat(worker: Worker) -> dict[str, Any]:
+        await shard.heartbeat(worker)
+        return {"generation": shard.generation, "version": shard.version}
+
+    @app.post("/v1/done")
+    async def done(worker: Worker) -> dict[str, Any]:
+        await shard.done(worker)
+        return shard.status()
+
+    @app.post("/v1/snapshot")
+    async def snapshot() -> dict[str, Any]:
+        if snapshot_path is None:
+            raise HTTPException(409, "this shard was started without a snapshot path")
+        await snapshot_if_due(force=True)
+        return {"path": str(snapshot_path), "version": last_snapshot["version"]}
+
+    @app.get("/v1/status")
+    async def status() -> dict[str, Any]:
+        return shard.status()
+
+    @app.get("/v1/stats")
+    async def stats() -> dict[str, Any]:
+        return shard.stats()
+
+    return app

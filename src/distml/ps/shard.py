@@ -1,0 +1,335 @@
+"""One parameter-server shard: its parameters, its optimizer, and the consistency rule that
+decides when a worker's gradient is applied and when a worker may read.
+
+- **BSP** (bulk synchronous): the gradients of one version are averaged and applied once
+  ``quorum`` workers have pushed; with ``backup_workers = b``, the quorum is the live workers
+  minus b and later pushes for that version are dropped (Chen et al. 2016, "Revisiting
+  distributed synchronous SGD"). A worker reads version v + 1 after pushing for version v.
+- **ASP** (asynchronous): every push is applied at once; reads never wait.
+- **SSP** with bound s (stale synchronous, Ho et al. 2013): pushes are applied at once; a worker
+  whose clock (pushes made) is c reads only when the slowest live worker's clock is >= c - s.
+  With s = 0 every worker reads only after all have pushed the same clock: BSP again.
+
+In ASP and SSP each push is scaled by 1 / workers, so that one push from each worker moves the
+parameters as far as one BSP step does (exactly as far, for plain SGD). With ``staleness_lr`` the
+learning rate of a push is divided by 1 + its staleness (Zhang et al. 2016).
+
+A worker that has not been heard from for ``heartbeat_timeout_s`` leaves the barrier (BSP) and the
+slowest-clock rule (SSP); it is admitted again when it registers. Pushes carry the worker's own
+step counter and are applied at most once: a retried push gets the first answer again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from distml.ps.optimizer_spec import build_optimizer
+
+Consistency = Literal["bsp", "asp", "ssp"]
+
+
+class PushRejected(ValueError):
+    """A push that does not fit this shard (names, shapes, dtypes, values); nothing applied."""
+
+
+class NotInitialized(RuntimeError):
+    """The shard has no parameters yet: the first worker has not sent them."""
+
+
+@dataclass
+class WorkerState:
+    clock: int = 0  # pushes made; a push with a step below it is a retry
+    last_seen: float = field(default_factory=time.monotonic)
+    done: bool = False
+    last_answer: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ShardSettings:
+    consistency: Consistency = "bsp"
+    staleness: int = 0
+    backup_workers: int = 0
+    workers: int = 1
+    staleness_lr: bool = False
+    heartbeat_timeout_s: float = 10.0
+
+
+class ParameterShard:
+    """The state of one shard; the web app (:mod:`distml.ps.app`) is a thin layer over it."""
+
+    def __init__(self, settings: ShardSettings):
+        self.settings = settings
+        self.generation = uuid.uuid4().hex[:12]  # changes when the shard restarts
+        self.params: dict[str, torch.nn.Parameter] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer_spec: dict[str, Any] | None = None
+        self.version = 0
+        self.workers: dict[int, WorkerState] = {}
+        self.restored_version: int | None = None
+        self._since = time.monotonic()  # workers not yet registered are presumed starting
+        self._pending: dict[int, dict[str, torch.Tensor]] = {}  # BSP: gradients of `version`
+        self._cond = asyncio.Condition()
+        # Telemetry: what a run's summary reports about its servers.
+        self.staleness = Counter()
+        self.pushes = Counter()  # applied, accepted, dropped, duplicate
+        self.queue_s: list[float] = []
+        self.apply_s: list[float] = []
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
+
+    @property
+    def lock(self) -> asyncio.Condition:
+        """Held while the state changes; hold it to read a consistent snapshot."""
+        return self._cond
+
+    # -- membership -------------------------------------------------------------------------
+    @property
+    def initialized(self) -> bool:
+        return self.optimizer is not None
+
+    def _live(self, now: float | None = None) -> list[int]:
+        now = time.monotonic() if now is None else now
+        timeout = self.settings.heartbeat_timeout_s
+        return [w for w, s in self.workers.items() if not s.done and now - s.last_seen < timeout]
+
+    def _absent(self, now: float | None = None) -> int:
+        """Expected workers that have not registered yet and are still presumed starting (for
+        one heartbeat timeout after the shard got its parameters)."""
+        now = time.monotonic() if now is None else now
+        if now - self._since >= self.settings.heartbeat_timeout_s:
+            return 0
+        return max(0, self.settings.workers - len(self.workers))
+
+    def _seen(self, worker: int) -> WorkerState:
+        state = self.workers.setdefault(worker, WorkerState())
+        state.last_seen = time.monotonic()
+        return state
+
+    async def register(self, worker: int) -> dict[str, Any]:
+        """Admit ``worker`` (again, after a restart): it resumes at its clock."""
+        async with self._cond:
+            state = self._seen(worker)
+            state.done = False
+            self._cond.notify_all()
+            return self.status() | {"clock": state.clock}
+
+    async def heartbeat(self, worker: int) -> None:
+        async with self._cond:
+            self._seen(worker)
+
+    async def done(self, worker: int) -> None:
+        """``worker`` has finished: it no longer holds back a barrier or the slowest clock."""
+        async with self._cond:
+            self._seen(worker).done = True
+            await self._maybe_complete_step()
+            self._cond.notify_all()
+
+    async def check_liveness(self) -> None:
+        """Called periodically: a worker that went silent leaves the barrier."""
+        async with self._cond:
+            await self._maybe_complete_step()
+            self._cond.notify_all()
+
+    def finished(self) -> bool:
+        """Every worker that registered is done, or gone silent."""
+        return bool(self.workers) and not self._live() and not self._absent()
+
+    # -- parameters -------------------------------------------------------------------------
+    async def initialize(self, tensors: dict[str, torch.Tensor], spec: dict[str, Any]) -> bool:
+        """Take the first worker's parameters and optimizer; False if already initialised (a
+        second worker's, or a retried, initialisation changes nothing)."""
+        async with self._cond:
+            if self.initialized:
+                return False
+            params = {
+                n: torch.nn.Parameter(t.clone(), requires_grad=True) for n, t in tensors.items()
+            }
+            for name, value in tensors.items():
+                if not value.is_floating_point() or not torch.isfinite(value).all():
+                    raise PushRejected(f"initial value of {name!r} is not finite floating point")
+            self.optimizer = build_optimizer(spec, params)
+            self.params = params
+            self.optimizer_spec = spec
+            self._since = time.monotonic()
+            self._cond.notify_all()
+            return True
+
+    def _check(self, grads: dict[str, torch.Tensor]) -> None:
+        unknown = sorted(set(grads) - set(self.params))
+        missing = sorted(set(self.params) - set(grads))
+        if unknown or missing:
+            raise PushRejected(f"unknown parameters {unknown[:5]}, missing {missing[:5]}")
+        for name, grad in grads.items():
+            param = self.params[name]
+            if grad.shape != param.shape or grad.dtype != param.dtype:
+                raise PushRejected(
+                    f"{name}: got {grad.dtype} {tuple(grad.shape)}, "
+                    f"expected {param.dtype} {tuple(param.shape)}"
+                )
+            if not torch.isfinite(grad).all():
+                raise PushRejected(f"{name}: the gradient has non-finite values")
+
+    async def push(
+        self, worker: int, step: int, version: int, grads: dict[str, torch.Tensor], nbytes: int = 0
+    ) -> dict[str, Any]:
+        """``worker``'s gradient of its step ``step``, computed on parameters of ``version``.
+
+        Answers ``status`` (applied, accepted, dropped or duplicate) and ``read_version``: the
+        version the worker should read next (BSP waits for it; ASP and SSP never look)."""
+        if not self.initialized:
+            raise NotInitialized("the shard has no parameters yet")
+        self._check(grads)
+        arrived = time.perf_counter()
+        async with self._cond:
+            state = self._seen(worker)
+            if step < state.clock:
+                self.pushes["duplicate"] += 1
+                return {**state.last_answer, "status": "duplicate"}
+            self.queue_s.append(time.perf_counter() - arrived)
+            self.bytes_pushed += nbytes
+            state.clock = step + 1
+            if self.settings.consistency == "bsp":
+                answer = await self._push_bsp(worker, version, grads)
+            else:
+                staleness = max(0, self.version - version)
+                await self._apply([grads], scale=1.0 / self.settings.workers, staleness=staleness)
+                self.pushes["applied"] += 1
+                answer = {"status": "applied", "read_version": self.version}
+            state.last_answer = answer
+            self._cond.notify_all()
+            return answer
+
+    async def _push_bsp(
+        self, worker: int, version: int, grads: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
+        if version < self.version:  # that step is complete: a backup worker's late gradient
+            self.pushes["dropped"] += 1
+            return {"status": "dropped", "read_version": self.version}
+        # version > self.version: this shard restarted from a snapshot older than the worker's
+        # parameters; the gradient counts toward the step the shard is at.
+        target = self.version
+        self._pending[worker] = grads
+        self.pushes["accepted"] += 1
+        await self._maybe_complete_step()
+        return {"status": "accepted", "read_version": target + 1}
+
+    def quorum(self) -> int:
+        """How many gradients complete a BSP step: live workers less the backups, at least 1."""
+        live = len(self._live()) + self._absent()
+        return max(1, live - self.settings.backup_workers)
+
+    async def _maybe_complete_step(self) -> None:
+        if self.settings.consistency != "bsp" or not self._pending:
+            return
+        quorum = self.quorum()
+        if len(self._pending) < quorum:
+            return
+        first = list(self._pending.values())[:quorum]
+        self._pending.clear()
+        await self._apply(first, scale=1.0 / len(first), staleness=0)
+
+    async def _apply(
+        self, grads: list[dict[str, torch.Tensor]], scale: float, staleness: int
+    ) -> None:
+        """One optimizer step on the scaled sum of ``grads`` (in a thread: the event loop keeps
+        taking requests, which queue on the lock this coroutine holds)."""
+        self.staleness[staleness] += len(grads)
+
+        def step() -> None:
+            for name, param in self.params.items():
+                total = grads[0][name].clone() if len(grads) == 1 else sum(g[name] for g in grads)
+                param.grad = total.mul_(scale)
+            factor = 1.0 / (1 + staleness) if self.settings.staleness_lr else 1.0
+            saved = [g["lr"] for g in self.optimizer.param_groups]
+            for g in self.optimizer.param_groups:
+                g["lr"] = g["lr"] * factor
+            self.optimizer.step()
+            for g, lr in zip(self.optimizer.param_groups, saved, strict=True):
+                g["lr"] = lr
+            self.optimizer.zero_grad(set_to_none=True)
+
+        start = time.perf_counter()
+        await asyncio.to_thread(step)
+        self.apply_s.append(time.perf_counter() - start)
+        self.version += 1
+
+    def _may_read(self, worker: int, min_version: int) -> bool:
+        if not self.initialized:
+            return False
+        mode = self.settings.consistency
+        if mode == "bsp":
+            return self.version >= min_version
+        if mode == "asp":
+            return True
+        clock = self.workers[worker].clock
+        others = [self.workers[w].clock for w in self._live() if w != worker]
+        others += [0] * self._absent()
+        return not others or min(others) >= clock - self.settings.staleness
+
+    async def pull(
+        self, worker: int, min_version: int = 0, wait_s: float = 10.0, generation: str = ""
+    ) -> tuple[dict[str, torch.Tensor], int, float] | None:
+        """The parameters once ``worker`` may read them, their version and the seconds the rule
+        held the reader; None if it could not read within ``wait_s`` (it asks again).
+
+        A reader that knew another ``generation`` of this shard (it restarted from a snapshot
+        since) reads at once: the version it waits for may be one the shard lost."""
+        if generation and generation != self.generation:
+            min_version = 0
+        start = time.perf_counter()
+        async with self._cond:
+            self._seen(worker)
+            try:
+                await asyncio.wait_for(
+                    self._cond.wait_for(lambda: self._may_read(worker, min_version)), wait_s
+                )
+            except TimeoutError:
+                return None
+            self._seen(worker)
+            tensors = {n: p.detach().clone() for n, p in self.params.items()}
+            return tensors, self.version, time.perf_counter() - start
+
+    async def read(self) -> tuple[dict[str, torch.Tensor], int]:
+        """The parameters as they are now, for an observer (no worker, no rule)."""
+        async with self._cond:
+            return {n: p.detach().clone() for n, p in self.params.items()}, self.version
+
+    # -- telemetry --------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        live = set(self._live())
+        return {
+            "generation": self.generation,
+            "initialized": self.initialized,
+            "version": self.version,
+            "consistency": self.settings.consistency,
+            "restored_version": self.restored_version,
+            "workers": {
+                str(w): {"clock": s.clock, "live": w in live, "done": s.done}
+                for w, s in sorted(self.workers.items())
+            },
+            "finished": self.finished(),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        def median(xs: list[float]) -> float:
+            return statistics.median(xs) if xs else 0.0
+
+        return {
+            **self.status(),
+            "parameters": list(self.params),
+            "param_bytes": sum(p.numel() * p.element_size() for p in self.params.values()),
+            "pushes": dict(self.pushes),
+            "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+            "queue_s": {"median": median(self.queue_s), "total": sum(self.queue_s)},
+            "apply_s": {"median": median(self.apply_s), "total": sum(self.apply_s)},
+            "bytes_pushed": self.bytes_pushed,
+            "bytes_pulled": self.bytes_pulled,
+        }
