@@ -48,8 +48,20 @@ def create_app(
                 401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
             )
 
-    app = FastAPI(title=title, dependencies=[Depends(authenticate)])
+    # The OpenAPI document is served behind the token too (FastAPI's own routes for it and
+    # its docs pages would not be).
+    app = FastAPI(
+        title=title,
+        dependencies=[Depends(authenticate)],
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.registry = registry or CollectorRegistry()
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> dict[str, Any]:
+        return app.openapi()
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

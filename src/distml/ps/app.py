@@ -107,7 +107,7 @@ def create_shard_app(
             raise HTTPException(400, f"bad initialisation: {exc}") from None
         if done:
             await snapshot_if_due(force=True)
-        return {"initialized": done, **shard.status()}
+        return {**shard.status(), "accepted": done}
 
     @app.post("/v1/push")
     async def push(request: Request, worker: Worker, step: Count, version: Count) -> dict[str, Any]:
