@@ -296,10 +296,14 @@ def ps_summary(per_rank: list[list[dict]], stats: list[dict[str, Any]]) -> dict[
     for rank, records in enumerate(per_rank):
         busy = sum(r["step_s"] for r in records)
         samples = sum(r["samples"] for r in records)
+        # Steps recorded by the worker's incarnations that finished; pushes as the shards
+        # counted them (a killed worker's too).
+        pushed = max(s["workers"].get(str(rank), {}).get("clock", 0) for s in stats)
         throughput.append(
             {
                 "rank": rank,
                 "steps": len(records),
+                "pushed": pushed,
                 "samples_per_s": samples / busy if busy > 0 else 0.0,
             }
         )
