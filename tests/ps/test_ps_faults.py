@@ -50,7 +50,8 @@ def test_bsp_drops_a_silent_worker_and_readmits_it_after_restart(tmp_path):
     steps = 40
     summary = ps_run(
         tmp_path, "readmit", "--nproc", "2", "--consistency", "bsp", "--max-restarts", "1",
-        "--config", str(_config(tmp_path, every=50, heartbeat_s=1.0)), steps=steps, script_args=["--kill", "1:4", "--delay", "0.1"],
+        "--config", str(_config(tmp_path, every=50, heartbeat_s=1.0)),
+        steps=steps, script_args=["--kill", "1:4", "--delay", "0.1"],
     )  # fmt: skip
     ps = summary["ps"]
     assert ps["worker_restarts"] == {"1": 1} and ps["lost_workers"] == []
