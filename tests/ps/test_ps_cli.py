@@ -1,0 +1,125 @@
+"""The parameter server from the command line: shards started on their own (``distml ps
+serve``, as on other machines) with workers pointed at them, the digits example, and usage
+errors that exit 2 before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from conftest import EXAMPLES, distml_cli, wait_for
+from distml.launch.elastic import free_port
+
+TOKEN = "standalone-token-0123456789"
+
+
+def test_workers_train_against_standalone_shards(tmp_path):
+    env = {**os.environ, "DISTML_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
+    ports = [free_port(), free_port()]
+    shards = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "distml",
+                "ps",
+                "serve",
+                "--port",
+                str(port),
+                "--workers",
+                "2",
+                "--consistency",
+                "ssp:2",
+                "--snapshot",
+                str(tmp_path / f"shard{k}.safetensors"),
+            ],
+            env=env,
+        )  # fmt: skip
+        for k, port in enumerate(ports)
+    ]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+
+        def up() -> bool:
+            try:
+                return all(
+                    httpx.get(
+                        f"{u}/healthz", headers={"Authorization": f"Bearer {TOKEN}"}
+                    ).status_code
+                    == 200
+                    for u in urls
+                )
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 60, "the shards to listen")
+        result = subprocess.run(
+            [sys.executable, "-m", "distml", "run", "--strategy", "ps", "--nproc", "2",
+             "--ps-servers", ",".join(urls), "--consistency", "ssp:2", "--runs-dir",
+             str(tmp_path), "--run-name", "standalone", str(EXAMPLES / "digits" / "train.py"),
+             "--epochs", "1", "--max-steps", "15"],
+            env=env, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+    finally:
+        for shard in shards:
+            shard.terminate()
+            shard.wait(10)
+    summary = json.loads((tmp_path / "standalone" / "summary.json").read_text())
+    ps = summary["ps"]
+    assert [w["pushed"] for w in ps["workers"]] == [15, 15]
+    assert sum(ps["versions"]) == 2 * 2 * 15  # SSP: each push one version, on both shards
+    assert summary["eval"]["accuracy"] > 0.1 and summary["export"]
+    assert all((tmp_path / f"shard{k}.safetensors").exists() for k in range(2))
+
+
+def test_digits_example_under_bsp_with_a_backup_worker(tmp_path):
+    result = distml_cli(
+        "run", "--strategy", "ps", "--nproc", "3", "--backup-workers", "1", "--servers", "2",
+        "--runs-dir", str(tmp_path), "--run-name", "backup",
+        str(EXAMPLES / "digits" / "train.py"), "--epochs", "1", "--max-steps", "12",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "backup" / "summary.json").read_text())
+    ps = summary["ps"]
+    for shard, version in zip(ps["shards"], ps["versions"], strict=True):
+        pushes = shard["pushes"]
+        assert pushes["accepted"] + pushes.get("dropped", 0) == 3 * 12
+        # A step takes the first two gradients of three (one, once a worker is done): there
+        # are at least as many steps as a worker made, and at most half the pushes.
+        assert 12 <= version <= 3 * 12 // 2
+        assert pushes["accepted"] <= 2 * version
+    assert summary["param_norm"] > 0 and "ps_push" in summary["comm_bytes"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--consistency", "asp"], "need --strategy ps"),
+        (["--strategy", "ps", "--consistency", "ssp"], "expected bsp, asp or ssp:S"),
+        (["--strategy", "ps", "--nproc", "2", "--backup-workers", "2"], "leaves no worker"),
+        (["--strategy", "ps", "--consistency", "asp", "--backup-workers", "1"], "BSP option"),
+        (["--strategy", "ps", "--ps-servers", "ftp://x"], "is not http(s)://HOST:PORT"),
+        (["--strategy", "ps:bsp"], "takes no options"),
+    ],
+)
+def test_bad_ps_flags_exit_2_before_anything_starts(tmp_path, args, message):
+    result = distml_cli(
+        "run", *args, "--runs-dir", str(tmp_path), str(EXAMPLES / "digits" / "train.py")
+    )
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_ps_serve_refuses_a_missing_or_short_token():
+    env = {k: v for k, v in os.environ.items() if k != "DISTML_TOKEN"}
+    result = subprocess.run(
+        [sys.executable, "-m", "distml", "ps", "serve", "--port", "1"],
+        env={**env, "DISTML_TOKEN": "short"}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2 and "DISTML_TOKEN" in result.stderr
