@@ -1,6 +1,6 @@
 """The digits training of ``train.py``, started from Python with ``distml.launch``.
 
-    python examples/digits/launch.py
+python examples/digits/launch.py
 """
 
 from train import train

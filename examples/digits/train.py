@@ -2,6 +2,7 @@
 
     distml run --nproc 2 examples/digits/train.py --epochs 5
     distml run --nproc 2 --strategy ddp:compression=fp16 examples/digits/train.py
+    distml run --nproc 4 --strategy ps --consistency ssp:2 examples/digits/train.py
     torchrun --nproc-per-node 2 examples/digits/train.py       # the same script, plain torchrun
     python examples/digits/train.py                           # one process
 
@@ -22,8 +23,14 @@ from distml.data import digits
 from distml.models import DigitsCNN
 
 
-def train(ctx: distml.Context, epochs: int = 5, max_steps: int = 0, batch_size: int = 32,
-          lr: float = 0.05, checkpoint_every: int = 0) -> dict:
+def train(
+    ctx: distml.Context,
+    epochs: int = 5,
+    max_steps: int = 0,
+    batch_size: int = 32,
+    lr: float = 0.05,
+    checkpoint_every: int = 0,
+) -> dict:
     model = DigitsCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     model, optimizer = ctx.setup(model, optimizer)

@@ -7,8 +7,10 @@ decides when a worker's gradient is applied and when a worker may read.
   distributed synchronous SGD"). A worker reads version v + 1 after pushing for version v.
 - **ASP** (asynchronous): every push is applied at once; reads never wait.
 - **SSP** with bound s (stale synchronous, Ho et al. 2013): pushes are applied at once; a worker
-  whose clock (pushes made) is c reads only when the slowest live worker's clock is >= c - s.
-  With s = 0 every worker reads only after all have pushed the same clock: BSP again.
+  whose clock (pushes made) is c reads only when the slowest live worker's clock is >= c - s,
+  and it reads the parameters as they were when the slowest clock last advanced: every update
+  of the clocks below it, as the bound promises, and the same view for every reader of a clock.
+  With s = 0 every worker reads, after all have pushed clock c - 1, exactly their updates: BSP.
 
 In ASP and SSP each push is scaled by 1 / workers, so that one push from each worker moves the
 parameters as far as one BSP step does (exactly as far, for plain SGD). With ``staleness_lr`` the
@@ -76,6 +78,8 @@ class ParameterShard:
         self.restored_version: int | None = None
         self._since = time.monotonic()  # workers not yet registered are presumed starting
         self._pending: dict[int, dict[str, torch.Tensor]] = {}  # BSP: gradients of `version`
+        # SSP: the parameters when the slowest clock last advanced, its version and that clock.
+        self._view: tuple[dict[str, torch.Tensor], int, int] | None = None
         self._cond = asyncio.Condition()
         # Telemetry: what a run's summary reports about its servers.
         self.staleness = Counter()
@@ -130,12 +134,14 @@ class ParameterShard:
         async with self._cond:
             self._seen(worker).done = True
             await self._maybe_complete_step()
+            self._advance_view()
             self._cond.notify_all()
 
     async def check_liveness(self) -> None:
         """Called periodically: a worker that went silent leaves the barrier."""
         async with self._cond:
             await self._maybe_complete_step()
+            self._advance_view()
             self._cond.notify_all()
 
     def finished(self) -> bool:
@@ -159,6 +165,7 @@ class ParameterShard:
             self.params = params
             self.optimizer_spec = spec
             self._since = time.monotonic()
+            self._advance_view()  # SSP: clock 0 reads the initial parameters
             self._cond.notify_all()
             return True
 
@@ -204,6 +211,7 @@ class ParameterShard:
                 self.pushes["applied"] += 1
                 answer = {"status": "applied", "read_version": self.version}
             state.last_answer = answer
+            self._advance_view()
             self._cond.notify_all()
             return answer
 
@@ -261,6 +269,21 @@ class ParameterShard:
         self.apply_s.append(time.perf_counter() - start)
         self.version += 1
 
+    def _slowest_clock(self) -> int | None:
+        """The lowest clock of the workers still training (None when none is)."""
+        clocks = [self.workers[w].clock for w in self._live()] + [0] * self._absent()
+        return min(clocks) if clocks else None
+
+    def _advance_view(self) -> None:
+        if self.settings.consistency != "ssp" or not self.initialized:
+            return
+        slowest = self._slowest_clock()
+        if slowest is None:
+            self._view = None  # nobody is training: readers get the parameters as they are
+        elif self._view is None or slowest > self._view[2]:
+            params = {n: p.detach().clone() for n, p in self.params.items()}
+            self._view = (params, self.version, slowest)
+
     def _may_read(self, worker: int, min_version: int) -> bool:
         if not self.initialized:
             return False
@@ -294,6 +317,10 @@ class ParameterShard:
             except TimeoutError:
                 return None
             self._seen(worker)
+            self._advance_view()
+            if self._view is not None:
+                view, version, _ = self._view
+                return dict(view), version, time.perf_counter() - start
             tensors = {n: p.detach().clone() for n, p in self.params.items()}
             return tensors, self.version, time.perf_counter() - start
 
