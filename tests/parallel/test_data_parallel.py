@@ -27,9 +27,9 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def train_worker(ctx: distml.Context, steps: int, batch: int) -> dict:
+def train_worker(ctx: distml.Context, steps: int, batch: int, momentum: float = 0.9) -> dict:
     model = MLP(SIZES)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     model, optimizer = ctx.setup(model, optimizer)
     loader = ctx.dataloader(dataset(), batch_size=batch)
     while ctx.step < steps:
@@ -38,7 +38,8 @@ def train_worker(ctx: distml.Context, steps: int, batch: int) -> dict:
             if ctx.step == steps:
                 break
     summary = ctx.finish()
-    return {"params": flat_params(model.module), "summary": summary}
+    # DDP wraps the model; a parameter-server worker trains the plain one.
+    return {"params": flat_params(getattr(model, "module", model)), "summary": summary}
 
 
 def single_process(steps: int, batch: int, momentum: float = 0.9) -> torch.Tensor:

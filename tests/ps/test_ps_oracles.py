@@ -9,36 +9,21 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 import distml
 from conftest import rel_err
-from distml.models import MLP
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "parallel"))
-from test_data_parallel import BATCH, SIZES, dataset, flat_params, single_process  # noqa: E402
+from test_data_parallel import BATCH, single_process, train_worker  # noqa: E402
 
 STEPS = 12
 
 
-def ps_worker(ctx: distml.Context, momentum: float) -> dict:
-    model = MLP(SIZES)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
-    model, optimizer = ctx.setup(model, optimizer)
-    loader = ctx.dataloader(dataset(), batch_size=BATCH)
-    while ctx.step < STEPS:
-        for x, y in loader:
-            ctx.train_step((x, y), lambda b: F.cross_entropy(model(b[0]), b[1]))
-            if ctx.step == STEPS:
-                break
-    ctx.finish()
-    return {"params": flat_params(model)}
-
-
 def launch_ps(tmp_path, name: str, nproc: int, momentum: float, **ps) -> tuple[dict, dict]:
     out = distml.launch(
-        ps_worker,
+        train_worker,
+        STEPS,
+        BATCH,
         momentum,
         nproc=nproc,
         runs_dir=tmp_path,
