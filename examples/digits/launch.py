@@ -3,9 +3,8 @@
 python examples/digits/launch.py
 """
 
-from train import train
-
 import distml
+from train import train
 
 if __name__ == "__main__":
     summary = distml.launch(train, 3, nproc=2, run_name="digits-launch")

@@ -76,6 +76,8 @@ def test_workers_train_against_standalone_shards(tmp_path):
     assert sum(ps["versions"]) == 2 * 2 * 15  # SSP: each push one version, on both shards
     assert summary["eval"]["accuracy"] > 0.1 and summary["export"]
     assert all((tmp_path / f"shard{k}.safetensors").exists() for k in range(2))
+    report = (tmp_path / "standalone" / "report.html").read_text()
+    assert "<h2>Parameter server</h2>" in report and 'alt="staleness"' in report
 
 
 def test_digits_example_under_bsp_with_a_backup_worker(tmp_path):
@@ -90,10 +92,9 @@ def test_digits_example_under_bsp_with_a_backup_worker(tmp_path):
     for shard, version in zip(ps["shards"], ps["versions"], strict=True):
         pushes = shard["pushes"]
         assert pushes["accepted"] + pushes.get("dropped", 0) == 3 * 12
-        # A step takes the first two gradients of three (one, once a worker is done): there
-        # are at least as many steps as a worker made, and at most half the pushes.
-        assert 12 <= version <= 3 * 12 // 2
-        assert pushes["accepted"] <= 2 * version
+        # A step takes the first two gradients of three, or the one left once two workers are
+        # done: at least as many steps as a worker made, each of one or two accepted gradients.
+        assert 12 <= version <= pushes["accepted"] <= 2 * version
     assert summary["param_norm"] > 0 and "ps_push" in summary["comm_bytes"]
 
 

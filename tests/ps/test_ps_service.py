@@ -153,6 +153,17 @@ def test_bsp_backup_worker_late_gradient_is_dropped():
     assert client.get("/v1/stats").json()["pushes"] == {"accepted": 2, "dropped": 1}
 
 
+def test_a_departing_worker_uses_up_the_backup_before_the_quorum_shrinks():
+    client = client_for(consistency="bsp", workers=3, backup_workers=1)
+    for w in range(3):
+        client.post("/v1/register", params={"worker": w})
+    assert client.shard.quorum() == 2
+    client.post("/v1/done", params={"worker": 2})
+    assert client.shard.quorum() == 2  # N = 2 still live: the step keeps its batch
+    client.post("/v1/done", params={"worker": 1})
+    assert client.shard.quorum() == 1
+
+
 def test_ssp_reader_waits_for_the_slowest_within_the_bound():
     client = client_for(consistency="ssp", staleness=1, workers=2)
     for w in (0, 1):

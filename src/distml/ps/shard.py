@@ -2,9 +2,11 @@
 decides when a worker's gradient is applied and when a worker may read.
 
 - **BSP** (bulk synchronous): the gradients of one version are averaged and applied once
-  ``quorum`` workers have pushed; with ``backup_workers = b``, the quorum is the live workers
-  minus b and later pushes for that version are dropped (Chen et al. 2016, "Revisiting
-  distributed synchronous SGD"). A worker reads version v + 1 after pushing for version v.
+  ``quorum`` workers have pushed; with ``backup_workers = b`` of ``workers = N + b``, the quorum
+  is N and later pushes for that version are dropped (Chen et al. 2016, "Revisiting
+  distributed synchronous SGD"). A worker that finishes or goes silent uses up a backup first;
+  with fewer than N live workers the quorum is all of them. A worker reads version v + 1 after
+  pushing for version v.
 - **ASP** (asynchronous): every push is applied at once; reads never wait.
 - **SSP** with bound s (stale synchronous, Ho et al. 2013): pushes are applied at once; a worker
   whose clock (pushes made) is c reads only when the slowest live worker's clock is >= c - s,
@@ -230,9 +232,9 @@ class ParameterShard:
         return {"status": "accepted", "read_version": target + 1}
 
     def quorum(self) -> int:
-        """How many gradients complete a BSP step: live workers less the backups, at least 1."""
+        """How many gradients complete a BSP step: N of N + b while N are live, else all."""
         live = len(self._live()) + self._absent()
-        return max(1, live - self.settings.backup_workers)
+        return max(1, min(self.settings.workers - self.settings.backup_workers, live))
 
     async def _maybe_complete_step(self) -> None:
         if self.settings.consistency != "bsp" or not self._pending:

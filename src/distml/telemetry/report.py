@@ -182,6 +182,34 @@ def _layout_section(summary: dict[str, Any]) -> list[str]:
     return parts
 
 
+_SHARD_COLUMNS = ("version", "restored_version", "param_bytes", "bytes_pushed", "bytes_pulled")
+
+
+def _ps_section(summary: dict[str, Any]) -> list[str]:
+    """A parameter-server run: the staleness of its pushes, its workers and its shards."""
+    ps = summary.get("ps")
+    if not ps:
+        return []
+    parts = ["<h2>Parameter server</h2>"]
+    staleness = {int(k): v for k, v in (ps.get("staleness") or {}).items()}
+    if staleness:
+        fig, ax = _figure("staleness", "Staleness of applied pushes", "versions behind", "pushes")
+        ax.bar(list(staleness), list(staleness.values()))
+        parts.append(_png(fig))
+    rows = [[w["rank"], w["steps"], w["pushed"], w["samples_per_s"]] for w in ps["workers"]]
+    parts.append(_table(["worker", "steps recorded", "pushes", "samples/s"], rows))
+    rows = [
+        [k, *(s.get(c) for c in _SHARD_COLUMNS), s["pushes"], s["queue_s"]["total"],
+         s["apply_s"]["median"]]
+        for k, s in enumerate(ps["shards"])
+    ]  # fmt: skip
+    header = ["shard", *_SHARD_COLUMNS, "pushes", "queue (total s)", "apply (median s)"]
+    parts.append(_table(header, rows))
+    lost = ps.get("lost_workers") or []
+    parts.append(f"<p>Lost workers: {_esc(lost or 'none')}.</p>")
+    return parts
+
+
 def write_report(run_dir: Path, per_rank: Records, summary: dict[str, Any]) -> Path:
     """Write run_dir/'report.html' and return its path."""
     run_dir = Path(run_dir)
@@ -205,6 +233,7 @@ def write_report(run_dir: Path, per_rank: Records, summary: dict[str, Any]) -> P
         rows = [[r.get(c) for c in _RANK_COLUMNS] for r in ranks]
         parts.append(_table(list(_RANK_COLUMNS), rows))
     parts.extend(_layout_section(summary))
+    parts.extend(_ps_section(summary))
     plots = _plots(per_rank, summary)
     parts.append("<h2>Plots</h2>")
     parts.extend(plots or ["<p>No steps were recorded.</p>"])
