@@ -262,6 +262,7 @@ def demo(
     err.print(f"report: {summary['report']}", highlight=False)
 
 
+from distml.cli.fl import fl_app  # noqa: E402
 from distml.cli.generate import generate  # noqa: E402  (after the helpers they use)
 from distml.cli.plan import bench, plan, simulate  # noqa: E402
 from distml.cli.ps import ps_app  # noqa: E402
@@ -271,6 +272,7 @@ app.command(name="bench")(bench)
 app.command(name="simulate")(simulate)
 app.command(name="generate")(generate)
 app.add_typer(ps_app, name="ps")
+app.add_typer(fl_app, name="fl")
 
 
 def main() -> None:

@@ -8,10 +8,10 @@ request bodies, ``/healthz`` through the real work path, ``/metrics`` for Promet
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
-import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -34,19 +34,40 @@ def token_from_env(env: str = TOKEN_ENV) -> str:
     return token
 
 
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
 def create_app(
-    title: str, token: str, health: Health, registry: CollectorRegistry | None = None
+    title: str,
+    token: str | Mapping[str, str],
+    health: Health,
+    registry: CollectorRegistry | None = None,
 ) -> FastAPI:
     """A FastAPI app whose every route, ``/healthz`` and ``/metrics`` included, needs
-    ``Authorization: Bearer <token>``. ``health()`` does real work: a failure answers 503."""
-    bearer = HTTPBearer(auto_error=False)
-    expected = token.encode()
+    ``Authorization: Bearer <token>``. ``health()`` does real work: a failure answers 503.
 
-    def authenticate(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if creds is None or not secrets.compare_digest(creds.credentials.encode(), expected):
+    ``token`` is one shared token, or a mapping ``identity -> token`` (one token per client):
+    a route then finds who called it in ``request.state.identity`` (``None`` for a shared token).
+    """
+    bearer = HTTPBearer(auto_error=False)
+    # Tokens are looked up by their SHA-256: the lookup time says nothing about a guess's prefix.
+    if isinstance(token, str):
+        identities: dict[bytes, str | None] = {_digest(token): None}
+    else:
+        identities = {_digest(t): identity for identity, t in token.items()}
+    if len(identities) < (1 if isinstance(token, str) else len(token)):
+        raise ValueError("two identities share one token")
+
+    def authenticate(
+        request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)
+    ) -> None:
+        digest = _digest(creds.credentials) if creds is not None else b""
+        if digest not in identities:
             raise HTTPException(
                 401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
             )
+        request.state.identity = identities[digest]
 
     # The OpenAPI document is served behind the token too (FastAPI's own routes for it and
     # its docs pages would not be).
@@ -116,3 +137,37 @@ def serve(
         log_level=log_level,
         access_log=False,
     )
+
+
+class BackgroundServer:
+    """``app`` served by uvicorn in a thread of this process, for as long as the ``with`` block
+    runs (a simulation's server, a test's).
+
+    >>> with BackgroundServer(app, port) as server:  # doctest: +SKIP
+    ...     httpx.get(server.url + "/healthz")
+    """
+
+    def __init__(self, app: FastAPI, port: int, host: str = "127.0.0.1"):
+        import threading
+
+        import uvicorn
+
+        self.url = f"http://{host}:{port}"
+        self._server = uvicorn.Server(
+            uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+        )
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self) -> BackgroundServer:
+        import time
+
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the server at {self.url} did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)

@@ -1,0 +1,304 @@
+"""``distml fl``: federated learning — a server, clients on other machines, or a simulation of
+many clients on this one."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+fl_app = typer.Typer(
+    help="Federated learning: the data stays on each client; only updates travel.",
+    no_args_is_help=True,
+)
+
+StrategyOpt = Annotated[
+    str,
+    typer.Option(
+        help="fedavg, fedsgd, fedprox, fedadam, fedyogi, fedadagrad, median, trimmed-mean, "
+        "krum, multi-krum; options as NAME:KEY=VALUE,... (fedprox:mu=0.01, krum:byzantine=2)."
+    ),
+]
+Fraction = Annotated[float, typer.Option("--fraction", help="C: fraction of clients per round.")]
+MinClients = Annotated[int, typer.Option(help="At least this many clients per round.")]
+Epochs = Annotated[int, typer.Option(help="E: local epochs per round.")]
+Batch = Annotated[int, typer.Option(help="B: local batch size (0: all local data).")]
+Lr = Annotated[float, typer.Option(help="Clients' learning rate.")]
+Model = Annotated[str, typer.Option(help="digits-mlp or digits-cnn.")]
+Rounds = Annotated[int, typer.Option(help="Rounds to run.")]
+Timeout = Annotated[float, typer.Option(help="Seconds a round waits for its updates.")]
+Quorum = Annotated[float, typer.Option(help="Fraction of the selected that completes a round.")]
+MaxNorm = Annotated[float | None, typer.Option(help="Refuse updates of a larger L2 norm.")]
+DpNoise = Annotated[
+    float | None, typer.Option(help="Client-level DP: noise multiplier (needs --dp-clip).")
+]
+DpClip = Annotated[float | None, typer.Option(help="Client-level DP: clip norm of an update.")]
+DpDelta = Annotated[float, typer.Option(help="Client-level DP: delta of (epsilon, delta).")]
+Checkpoints = Annotated[
+    Path | None, typer.Option(help="Checkpoint every round here; a restart resumes from it.")
+]
+Seed = Annotated[int, typer.Option(help="Seed of the model, the sampling and the partition.")]
+
+
+def _value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _build(
+    strategy: str,
+    *,
+    fraction: float,
+    min_clients: int,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    model: str,
+    rounds: int,
+    min_available: int,
+    round_timeout: float,
+    quorum: float,
+    max_update_norm: float | None,
+    dp_noise: float | None,
+    dp_clip: float | None,
+    dp_delta: float,
+    seed: int,
+):
+    """The strategy, server settings and DP of a command line; a ValueError names what is wrong."""
+    from pydantic import ValidationError
+
+    from distml.config import format_validation_error, parse_options
+    from distml.federated.privacy import ClientLevelDP
+    from distml.federated.server import ServerConfig
+    from distml.federated.strategy import LocalConfig, make_strategy
+
+    name, _, options = strategy.partition(":")
+    kwargs = {k: _value(str(v)) for k, v in parse_options(options, "--strategy").items()}
+    if name == "fedsgd":
+        epochs, batch_size = 1, 0
+    try:
+        local = LocalConfig(epochs=epochs, batch_size=batch_size, lr=lr)
+        config = ServerConfig(
+            model=model,
+            rounds=rounds,
+            min_available=min_available,
+            round_timeout_s=round_timeout,
+            quorum=quorum,
+            max_update_norm=dp_clip if dp_clip is not None else max_update_norm,
+            seed=seed,
+        )
+    except ValidationError as exc:
+        raise ValueError(format_validation_error(exc)) from None
+    built = make_strategy(
+        name, fraction_fit=fraction, min_fit_clients=min_clients, local=local, **kwargs
+    )
+    if (dp_noise is None) != (dp_clip is None):
+        raise ValueError("client-level DP needs both --dp-noise and --dp-clip")
+    dp = ClientLevelDP(dp_noise, dp_clip, dp_delta, seed=None) if dp_noise is not None else None
+    return built, config, dp
+
+
+@fl_app.command()
+def simulate(
+    clients: Annotated[int, typer.Option(help="Virtual clients.")] = 100,
+    rounds: Rounds = 10,
+    strategy: StrategyOpt = "fedavg",
+    partition: Annotated[
+        str, typer.Option(help="iid, dirichlet:ALPHA or shards:K (K classes per client).")
+    ] = "iid",
+    fraction: Fraction = 0.1,
+    min_clients: MinClients = 2,
+    epochs: Epochs = 1,
+    batch_size: Batch = 10,
+    lr: Lr = 0.1,
+    model: Model = "digits-mlp",
+    processes: Annotated[int, typer.Option(help="Worker processes hosting the clients.")] = 2,
+    round_timeout: Timeout = 60.0,
+    quorum: Quorum = 0.5,
+    max_update_norm: MaxNorm = None,
+    dp_noise: DpNoise = None,
+    dp_clip: DpClip = None,
+    dp_delta: DpDelta = 1e-5,
+    byzantine: Annotated[float, typer.Option(help="Fraction of clients that attack.")] = 0.0,
+    attack: Annotated[str, typer.Option(help="sign-flip:S or scale:S.")] = "sign-flip:10",
+    checkpoint_dir: Checkpoints = None,
+    seed: Seed = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line per round.")] = False,
+) -> None:
+    """Many virtual clients in a pool of processes against the real server over loopback."""
+    from rich.console import Console
+
+    from distml.cli.main import fail_usage
+    from distml.federated.client import parse_attack
+    from distml.federated.partition import parse_partition
+    from distml.federated.simulation import SimulationConfig, print_json_line
+    from distml.federated.simulation import simulate as run_simulation
+
+    try:
+        parse_partition(partition)
+        parse_attack(attack)
+        built, config, dp = _build(
+            strategy, fraction=fraction, min_clients=min_clients, epochs=epochs,
+            batch_size=batch_size, lr=lr, model=model, rounds=rounds, min_available=clients,
+            round_timeout=round_timeout, quorum=quorum, max_update_norm=max_update_norm,
+            dp_noise=dp_noise, dp_clip=dp_clip, dp_delta=dp_delta, seed=seed,
+        )  # fmt: skip
+        sim = SimulationConfig(
+            clients=clients,
+            partition=partition,
+            processes=processes,
+            byzantine=byzantine,
+            attack=attack,
+            seed=seed,
+        )
+    except ValueError as exc:
+        fail_usage(str(exc))
+    console = Console()
+
+    def show(record: dict[str, Any]) -> None:
+        if as_json:
+            keys = ("round", "status", "participants", "accuracy", "loss", "epsilon")
+            line = {k: record[k] for k in keys if k in record}
+            print_json_line(line | {"bytes": record["bytes_down"] + record["bytes_up"]})
+        else:
+            acc = record.get("accuracy")
+            console.print(
+                f"round {record['round']:>3} {record['status']:<9} "
+                f"{record['participants']:>3} clients  accuracy "
+                + (f"{acc:.3f}" if acc is not None else "-")
+            )
+
+    try:
+        summary = run_simulation(sim, config, built, dp=dp, checkpoint_dir=checkpoint_dir,
+                                 on_round=show)  # fmt: skip
+    except (ValueError, RuntimeError) as exc:
+        fail_usage(str(exc))
+    if as_json:
+        print_json_line(summary)
+    else:
+        console.print_json(json.dumps(summary))
+
+
+@fl_app.command()
+def server(
+    tokens: Annotated[
+        Path, typer.Option(help="JSON file {client name: token}, readable by you only.")
+    ],
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 7400,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    rounds: Rounds = 10,
+    strategy: StrategyOpt = "fedavg",
+    fraction: Fraction = 1.0,
+    min_clients: MinClients = 2,
+    min_available: Annotated[int, typer.Option(help="Clients registered before round 1.")] = 2,
+    epochs: Epochs = 1,
+    batch_size: Batch = 10,
+    lr: Lr = 0.1,
+    model: Model = "digits-mlp",
+    round_timeout: Timeout = 60.0,
+    quorum: Quorum = 0.5,
+    max_update_norm: MaxNorm = None,
+    dp_noise: DpNoise = None,
+    dp_clip: DpClip = None,
+    dp_delta: DpDelta = 1e-5,
+    checkpoint_dir: Checkpoints = None,
+    seed: Seed = 0,
+    ssl_certfile: Annotated[str | None, typer.Option(help="TLS certificate (PEM).")] = None,
+    ssl_keyfile: Annotated[str | None, typer.Option(help="TLS key (PEM).")] = None,
+) -> None:
+    """Serve federated rounds to clients on other machines; evaluates on its own held-out data
+    and stops serving new rounds after the last one."""
+    from distml.cli.main import fail_usage
+    from distml.data import digits
+    from distml.federated.app import create_fl_app
+    from distml.federated.server import FederatedServer
+    from distml.net import serve
+
+    try:
+        table = json.loads(tokens.read_text())
+        if not isinstance(table, dict) or not table:
+            raise ValueError(f"{tokens}: expected a JSON object {{client name: token}}")
+        short = [name for name, t in table.items() if not isinstance(t, str) or len(t) < 16]
+        if short:
+            raise ValueError(f"{tokens}: tokens of {short} are not strings of >= 16 characters")
+        built, config, dp = _build(
+            strategy, fraction=fraction, min_clients=min_clients, epochs=epochs,
+            batch_size=batch_size, lr=lr, model=model, rounds=rounds,
+            min_available=min_available, round_timeout=round_timeout, quorum=quorum,
+            max_update_norm=max_update_norm, dp_noise=dp_noise, dp_clip=dp_clip,
+            dp_delta=dp_delta, seed=seed,
+        )  # fmt: skip
+        fl_server = FederatedServer(
+            config, built, digits("val"), dp=dp, checkpoint_dir=checkpoint_dir
+        )
+    except (OSError, ValueError) as exc:
+        fail_usage(str(exc))
+    serve(create_fl_app(fl_server, table), host, port, ssl_certfile=ssl_certfile,
+          ssl_keyfile=ssl_keyfile)  # fmt: skip
+
+
+@fl_app.command()
+def client(
+    server_url: Annotated[str, typer.Option("--server", help="The server's URL.")],
+    data: Annotated[
+        str,
+        typer.Option(
+            help="This client's data: a safetensors file with tensors x and y, or "
+            "digits:K/N (part K of N of the digits training set, for trials)."
+        ),
+    ],
+    ca_cert: Annotated[str | None, typer.Option(help="CA bundle to verify TLS with.")] = None,
+    seed: Seed = 0,
+) -> None:
+    """Train with a federated server; the data never leaves this machine. The token comes from
+    DISTML_TOKEN."""
+    from distml.cli.main import fail_usage
+    from distml.federated.client import FederatedClient
+    from distml.net import token_from_env
+
+    try:
+        token = token_from_env()
+        dataset = load_client_data(data)
+    except (OSError, ValueError) as exc:
+        fail_usage(str(exc))
+    fl_client = FederatedClient(server_url, token, dataset, seed=seed, verify=ca_cert or True)
+    trained = fl_client.run()
+    typer.echo(json.dumps({"rounds_trained": trained, "examples": len(dataset)}))
+
+
+@fl_app.command()
+def tokens(
+    clients: Annotated[int, typer.Argument(help="How many clients.")],
+    prefix: Annotated[str, typer.Option(help="Client names are PREFIX-0000, ...")] = "client",
+) -> None:
+    """Print a fresh tokens file (JSON) for ``distml fl server --tokens``."""
+    table = {f"{prefix}-{i:04d}": secrets.token_urlsafe(24) for i in range(clients)}
+    typer.echo(json.dumps(table, indent=1))
+
+
+def load_client_data(spec: str):
+    """A client's local dataset from ``spec`` (see ``distml fl client --data``)."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.utils.data import TensorDataset
+
+    if spec.startswith("digits:"):
+        from distml.data import digits
+
+        k, _, n = spec.removeprefix("digits:").partition("/")
+        if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+            raise ValueError(f"--data {spec!r}: expected digits:K/N with 0 <= K < N")
+        train = digits("train")
+        idx = torch.arange(len(train)).tensor_split(int(n))[int(k)]
+        return TensorDataset(*(t[idx] for t in train.tensors))
+    tensors = load_file(spec)
+    if set(tensors) != {"x", "y"} or len(tensors["x"]) != len(tensors["y"]):
+        raise ValueError(f"{spec}: expected tensors x and y of the same length")
+    return TensorDataset(tensors["x"].float(), tensors["y"].long())

@@ -1,0 +1,124 @@
+"""The federated server as a web service (the rounds themselves are in
+:mod:`distml.federated.server`).
+
+Each client has its own bearer token; the token says who is calling, so a client cannot answer
+for another. Models and updates travel as safetensors bodies; an update that does not fit the
+model, the round or the norm bound is answered 4xx and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager, suppress
+from typing import Annotated, Any
+
+from fastapi import FastAPI, HTTPException, Query, Request
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from starlette.responses import Response
+
+from distml.federated.server import FederatedServer, UpdateRejected
+from distml.net import create_app, decode_tensors, encode_tensors, read_body
+from distml.net.tensors import TensorPayloadError
+
+SAFETENSORS = "application/octet-stream"
+
+
+def _identity(request: Request) -> str:
+    identity = request.state.identity
+    if identity is None:
+        raise HTTPException(403, "this route needs a client's own token")
+    return identity
+
+
+def _metrics_of(meta: dict[str, str]) -> tuple[int, dict[str, float]]:
+    try:
+        num_examples = int(meta["num_examples"])
+        metrics = {k: float(v) for k, v in json.loads(meta.get("metrics", "{}")).items()}
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise HTTPException(400, f"update metadata: {exc!r}") from None
+    if num_examples < 1:
+        raise HTTPException(422, f"num_examples must be >= 1, got {num_examples}")
+    return num_examples, metrics
+
+
+def create_fl_app(
+    server: FederatedServer, tokens: dict[str, str], *, max_body_bytes: int = 64 * 2**20
+) -> FastAPI:
+    """The ASGI app of ``server``; ``tokens`` maps each client's name to its token."""
+    registry = CollectorRegistry()
+    updates = Counter("distml_fl_updates", "Updates by outcome", ["status"], registry=registry)
+    rounds = Gauge("distml_fl_rounds_completed", "Rounds aggregated", registry=registry)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(server.run())
+        app.state.rounds = task
+        yield
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+
+    def health() -> dict[str, Any]:
+        rounds.set(server.completed)
+        return server.status()
+
+    app = create_app("distml federated server", tokens, health, registry)
+    app.router.lifespan_context = lifespan
+
+    @app.post("/v1/register")
+    async def register(request: Request) -> dict[str, Any]:
+        client = _identity(request)
+        await server.seen(client)
+        return server.status() | {"client": client, "model": server.config.model}
+
+    @app.get("/v1/status")
+    async def status(
+        after: Annotated[int, Query(ge=-1)] = -1,
+        seen_attempt: Annotated[int, Query(ge=0)] = 0,
+        wait: Annotated[float, Query(ge=0, le=60)] = 0.0,
+        generation: Annotated[str, Query(max_length=16)] = "",
+    ) -> dict[str, Any]:
+        """With ``wait``, answers once a round opens (other than ``seen_attempt``) or completes
+        (past ``after``), or after ``wait`` seconds."""
+        if wait:
+            await server.wait_for_change(after, seen_attempt, wait, generation)
+        return server.status()
+
+    @app.get("/v1/task")
+    async def task(request: Request) -> Response:
+        client = _identity(request)
+        await server.seen(client)
+        assignment = server.task_for(client)
+        if assignment is None:
+            return Response(status_code=204)
+        return Response(json.dumps(assignment), media_type="application/json")
+
+    @app.get("/v1/model")
+    async def model() -> Response:
+        body = server.model_body(encode_tensors)
+        return Response(body, media_type=SAFETENSORS)
+
+    @app.post("/v1/update")
+    async def update(request: Request, round: Annotated[int, Query(ge=1)]) -> dict[str, Any]:  # noqa: A002  (the protocol's word)
+        client = _identity(request)
+        body = await read_body(request, max_body_bytes)
+        try:
+            delta, meta = decode_tensors(body)
+        except TensorPayloadError as exc:
+            updates.labels("invalid").inc()
+            raise HTTPException(400, str(exc)) from None
+        num_examples, metrics = _metrics_of(meta)
+        try:
+            await server.submit(client, round, delta, num_examples, metrics, len(body))
+        except UpdateRejected as exc:
+            updates.labels("late" if exc.status == 409 else "refused").inc()
+            raise HTTPException(exc.status, str(exc)) from None
+        updates.labels("accepted").inc()
+        return {"status": "accepted", "round": round}
+
+    @app.get("/v1/history")
+    async def history() -> dict[str, Any]:
+        return {"history": server.history, "summary": server.summary()}
+
+    return app

@@ -1,0 +1,331 @@
+"""The federated server's rounds (the routes are in :mod:`distml.federated.app`).
+
+A round: sample clients with the strategy, publish the global model and the round's settings,
+collect updates until every selected client has answered or the deadline passes, then, if at
+least ``quorum`` of them answered, aggregate, evaluate on the server's held-out data and
+checkpoint. Updates for a round that has closed are refused as late. A round without its quorum
+is run again with a fresh sample. A restarted server resumes after its last completed round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field
+from torch.utils.data import TensorDataset
+
+from distml.federated.checkpoint import load_checkpoint, save_checkpoint
+from distml.federated.privacy import ClientLevelDP
+from distml.federated.strategy import ClientUpdate, Strategy
+from distml.federated.task import Params, build_model, evaluate, get_params, norm, set_params
+
+
+class ServerConfig(BaseModel):
+    model: str = "digits-mlp"
+    rounds: int = Field(10, ge=1)
+    min_available: int = Field(2, ge=1, description="clients registered before round 1")
+    round_timeout_s: float = Field(60.0, gt=0, description="deadline of a round's updates")
+    quorum: float = Field(0.5, gt=0, le=1, description="fraction of the selected that must answer")
+    availability_s: float = Field(120.0, gt=0, description="silence after which a client is away")
+    max_update_norm: float | None = Field(None, gt=0, description="refuse updates above it")
+    seed: int = 0
+
+
+class UpdateRejected(ValueError):
+    """An update that does not fit the model or the round (answered 4xx)."""
+
+    def __init__(self, message: str, status: int = 422):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Round:
+    number: int
+    attempt: int  # rounds opened so far, failed ones included: a rerun of a round is new
+    selected: list[str]
+    config: dict[str, Any]
+    deadline: float
+    started: float = field(default_factory=time.perf_counter)
+    updates: dict[str, ClientUpdate] = field(default_factory=dict)
+    open: bool = True
+    bytes_down: int = 0
+    bytes_up: int = 0
+
+
+class FederatedServer:
+    def __init__(
+        self,
+        config: ServerConfig,
+        strategy: Strategy,
+        eval_data: TensorDataset,
+        *,
+        dp: ClientLevelDP | None = None,
+        checkpoint_dir: Path | None = None,
+    ):
+        if dp is not None and strategy.needs_individual_updates:
+            raise ValueError(f"DP-FedAvg noises a mean; the {strategy.name} rule needs each update")
+        self.config = config
+        self.strategy = strategy
+        self.dp = dp
+        self.eval_data = eval_data
+        self.checkpoint_dir = checkpoint_dir
+        self.model = build_model(config.model, config.seed)
+        self.params: Params = get_params(self.model)
+        self.completed = 0  # rounds aggregated
+        self.history: list[dict[str, Any]] = []
+        self.clients: dict[str, float] = {}  # client -> last seen (monotonic)
+        self.round: Round | None = None
+        self.late = 0
+        self.finished = False
+        self.generation = secrets.token_hex(4)  # new at every start: clients see a restart
+        self._cond = asyncio.Condition()
+        self._model_body: tuple[int, bytes] | None = None
+        if checkpoint_dir is not None and (checkpoint_dir / "global.safetensors").exists():
+            self._resume(checkpoint_dir)
+
+    # -- clients ----------------------------------------------------------------------------
+    async def seen(self, client: str) -> None:
+        async with self._cond:
+            new = client not in self.clients
+            self.clients[client] = time.monotonic()
+            if new:
+                self._cond.notify_all()
+
+    def available(self) -> list[str]:
+        now = time.monotonic()
+        return [c for c, t in self.clients.items() if now - t < self.config.availability_s]
+
+    def task_for(self, client: str) -> dict[str, Any] | None:
+        """The fit task of ``client`` in the open round, if it was selected and has not answered."""
+        r = self.round
+        if r is None or not r.open or client not in r.selected or client in r.updates:
+            return None
+        return {"round": r.number, "model": self.config.model, "config": r.config}
+
+    def status(self) -> dict[str, Any]:
+        r = self.round
+        return {
+            "round": r.number if r else self.completed + 1,
+            "attempt": r.attempt if r else 0,
+            "generation": self.generation,
+            "open": bool(r and r.open),
+            "completed": self.completed,
+            "rounds": self.config.rounds,
+            "finished": self.finished,
+            "clients": len(self.clients),
+        }
+
+    async def wait_for_change(
+        self, after_completed: int, seen_attempt: int, timeout: float, generation: str = ""
+    ) -> None:
+        """Long-poll: return once a round opens or completes past what the caller saw (or
+        at once, if the caller saw another generation of this server)."""
+
+        def changed() -> bool:
+            r = self.round
+            return (
+                self.finished
+                or generation != self.generation
+                or self.completed > after_completed
+                or bool(r and r.open and r.attempt != seen_attempt)
+            )
+
+        async with self._cond:
+            try:
+                await asyncio.wait_for(self._cond.wait_for(changed), timeout)
+            except TimeoutError:
+                pass
+
+    def model_body(self, encode) -> bytes:
+        """The global model as a payload, encoded once per version."""
+        if self._model_body is None or self._model_body[0] != self.completed:
+            self._model_body = (self.completed, encode(self.params, {"round": str(self.completed)}))
+        body = self._model_body[1]
+        if self.round is not None and self.round.open:
+            self.round.bytes_down += len(body)
+        return body
+
+    # -- updates ----------------------------------------------------------------------------
+    def check_update(self, delta: Params) -> None:
+        if set(delta) != set(self.params):
+            missing, unknown = set(self.params) - set(delta), set(delta) - set(self.params)
+            raise UpdateRejected(
+                f"names differ: missing {sorted(missing)}, unknown {sorted(unknown)}"
+            )
+        for name, t in delta.items():
+            p = self.params[name]
+            if t.shape != p.shape or t.dtype != p.dtype:
+                raise UpdateRejected(
+                    f"{name}: got {t.dtype} {tuple(t.shape)}, expected {p.dtype} {tuple(p.shape)}"
+                )
+            if not torch.isfinite(t).all():
+                raise UpdateRejected(f"{name}: non-finite values")
+        bound = self.config.max_update_norm
+        if bound is not None and norm(delta) > bound * (1 + 1e-5):
+            raise UpdateRejected(f"update norm {norm(delta):.4g} is above the bound {bound:g}")
+
+    async def submit(
+        self,
+        client: str,
+        round_number: int,
+        delta: Params,
+        num_examples: int,
+        metrics: dict[str, float],
+        nbytes: int = 0,
+    ) -> None:
+        self.check_update(delta)
+        async with self._cond:
+            r = self.round
+            if r is None or r.number != round_number or not r.open:
+                self.late += 1
+                raise UpdateRejected(f"round {round_number} is closed: a late update", 409)
+            if client not in r.selected:
+                raise UpdateRejected(f"{client} was not selected for round {round_number}", 403)
+            if client in r.updates:
+                raise UpdateRejected(f"{client} has already answered round {round_number}", 409)
+            r.updates[client] = ClientUpdate(client, delta, num_examples, metrics)
+            r.bytes_up += nbytes
+            self.clients[client] = time.monotonic()
+            self._cond.notify_all()
+
+    # -- the rounds -------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Run rounds until ``config.rounds`` have completed."""
+        while self.completed < self.config.rounds:
+            r = await self._open_round()
+            await self._collect(r)
+            record = await self._finish_round(r)
+            async with self._cond:
+                self.history.append(record)
+                if record["status"] == "completed":
+                    self.completed = r.number
+                    if self.checkpoint_dir is not None:
+                        await asyncio.to_thread(self._checkpoint)
+                self._cond.notify_all()
+        async with self._cond:
+            self.finished = True
+            self._cond.notify_all()
+
+    async def _open_round(self) -> Round:
+        async with self._cond:
+            await self._cond.wait_for(lambda: len(self.available()) >= self.config.min_available)
+            number = self.completed + 1
+            rng = random.Random(f"{self.config.seed}:{len(self.history)}")  # a rerun draws anew
+            selected, cfg = self.strategy.configure_fit(number, self.available(), rng)
+            if self.dp is not None:
+                cfg["clip_norm"] = self.dp.clip_norm
+            deadline = time.monotonic() + self.config.round_timeout_s
+            self.round = Round(number, len(self.history) + 1, selected, cfg, deadline)
+            self._cond.notify_all()
+            return self.round
+
+    async def _collect(self, r: Round) -> None:
+        """Wait for every selected client's update, or the deadline; then close the round."""
+        async with self._cond:
+            try:
+                await asyncio.wait_for(
+                    self._cond.wait_for(lambda: len(r.updates) == len(r.selected)),
+                    self.config.round_timeout_s,
+                )
+            except TimeoutError:
+                pass
+            r.open = False
+            self._cond.notify_all()
+
+    async def _finish_round(self, r: Round) -> dict[str, Any]:
+        updates = list(r.updates.values())
+        needed = max(1, math.ceil(self.config.quorum * len(r.selected)))
+        record: dict[str, Any] = {
+            "round": r.number,
+            "selected": len(r.selected),
+            "participants": len(updates),
+            "dropped": len(r.selected) - len(updates),
+            "bytes_down": r.bytes_down,
+            "bytes_up": r.bytes_up,
+        }
+        if len(updates) < needed:
+            record["status"] = "failed"
+            record["duration_s"] = time.perf_counter() - r.started
+            return record
+        available = max(len(self.available()), len(r.selected))
+        self.params = await asyncio.to_thread(self._aggregate, r, updates, available)
+        record.update(await asyncio.to_thread(self._evaluate))
+        fed = self.strategy.aggregate_evaluate(
+            [
+                u.metrics | {"num_examples": u.num_examples}
+                for u in updates
+                if "accuracy" in u.metrics
+            ]
+        )
+        record.update({f"client_{k}": v for k, v in fed.items()})
+        record["train_loss"] = sum(u.metrics.get("train_loss", 0.0) for u in updates) / len(updates)
+        if self.dp is not None:
+            record["epsilon"] = self.dp.epsilon()
+        record["status"] = "completed"
+        record["duration_s"] = time.perf_counter() - r.started
+        return record
+
+    def _aggregate(self, r: Round, updates: list[ClientUpdate], available: int) -> Params:
+        if self.dp is None:
+            return self.strategy.aggregate_fit(r.number, self.params, updates)
+        total = {n: sum(u.delta[n] for u in updates) for n in self.params}
+        mean = self.dp.noisy_mean(total, len(r.selected))
+        self.dp.account_round(len(r.selected) / available)
+        return self.strategy.apply(self.params, mean)
+
+    def _evaluate(self) -> dict[str, float]:
+        set_params(self.model, self.params)
+        metrics = evaluate(self.model, self.eval_data)
+        return {"accuracy": metrics["accuracy"], "loss": metrics["loss"]}
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def _checkpoint(self) -> None:
+        save_checkpoint(
+            self.checkpoint_dir,
+            params=self.params,
+            strategy_state=self.strategy.state_dict(),
+            state={
+                "completed": self.completed,
+                "history": self.history,
+                "dp": self.dp.state() if self.dp else None,
+                "strategy": self.strategy.name,
+                "model": self.config.model,
+            },
+        )
+
+    def _resume(self, directory: Path) -> None:
+        params, strategy_state, state = load_checkpoint(directory)
+        if state.get("model") != self.config.model or set(params) != set(self.params):
+            raise ValueError(
+                f"{directory} holds a checkpoint of {state.get('model')!r}, "
+                f"not of {self.config.model!r}"
+            )
+        self.params = params
+        self.strategy.load_state_dict(strategy_state)
+        self.completed = int(state["completed"])
+        self.history = list(state["history"])
+        if self.dp is not None and state.get("dp"):
+            self.dp.load_state(state["dp"])
+
+    def summary(self) -> dict[str, Any]:
+        done = [h for h in self.history if h["status"] == "completed"]
+        last = done[-1] if done else {}
+        return {
+            "rounds": self.completed,
+            "accuracy": last.get("accuracy"),
+            "loss": last.get("loss"),
+            "epsilon": last.get("epsilon"),
+            "failed_rounds": len(self.history) - len(done),
+            "late_updates": self.late,
+            "bytes_down": sum(h["bytes_down"] for h in self.history),
+            "bytes_up": sum(h["bytes_up"] for h in self.history),
+        }
