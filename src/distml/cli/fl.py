@@ -41,6 +41,15 @@ Checkpoints = Annotated[
     Path | None, typer.Option(help="Checkpoint every round here; a restart resumes from it.")
 ]
 Seed = Annotated[int, typer.Option(help="Seed of the model, the sampling and the partition.")]
+SecureAgg = Annotated[
+    bool, typer.Option("--secure-agg", help="Secure aggregation: the server sees only the sum.")
+]
+SecThreshold = Annotated[
+    float, typer.Option(help="Secure aggregation: t as a fraction of a round's clients.")
+]
+SecClip = Annotated[
+    float, typer.Option(help="Secure aggregation: quantisation range of one coordinate.")
+]
 
 
 def _value(text: str) -> Any:
@@ -70,6 +79,9 @@ def _build(
     dp_clip: float | None,
     dp_delta: float,
     seed: int,
+    secure_agg: bool = False,
+    secagg_threshold: float = 0.6,
+    secagg_clip: float = 1.0,
 ):
     """The strategy, server settings and DP of a command line; a ValueError names what is wrong."""
     from pydantic import ValidationError
@@ -93,6 +105,9 @@ def _build(
             quorum=quorum,
             max_update_norm=dp_clip if dp_clip is not None else max_update_norm,
             seed=seed,
+            secure_aggregation=secure_agg,
+            secagg_threshold=secagg_threshold,
+            secagg_clip=secagg_clip,
         )
     except ValidationError as exc:
         raise ValueError(format_validation_error(exc)) from None
@@ -130,6 +145,9 @@ def simulate(
     attack: Annotated[str, typer.Option(help="sign-flip:S or scale:S.")] = "sign-flip:10",
     checkpoint_dir: Checkpoints = None,
     seed: Seed = 0,
+    secure_agg: SecureAgg = False,
+    secagg_threshold: SecThreshold = 0.6,
+    secagg_clip: SecClip = 1.0,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line per round.")] = False,
 ) -> None:
     """Many virtual clients in a pool of processes against the real server over loopback."""
@@ -149,6 +167,7 @@ def simulate(
             batch_size=batch_size, lr=lr, model=model, rounds=rounds, min_available=clients,
             round_timeout=round_timeout, quorum=quorum, max_update_norm=max_update_norm,
             dp_noise=dp_noise, dp_clip=dp_clip, dp_delta=dp_delta, seed=seed,
+            secure_agg=secure_agg, secagg_threshold=secagg_threshold, secagg_clip=secagg_clip,
         )  # fmt: skip
         sim = SimulationConfig(
             clients=clients,
@@ -210,6 +229,9 @@ def server(
     dp_delta: DpDelta = 1e-5,
     checkpoint_dir: Checkpoints = None,
     seed: Seed = 0,
+    secure_agg: SecureAgg = False,
+    secagg_threshold: SecThreshold = 0.6,
+    secagg_clip: SecClip = 1.0,
     ssl_certfile: Annotated[str | None, typer.Option(help="TLS certificate (PEM).")] = None,
     ssl_keyfile: Annotated[str | None, typer.Option(help="TLS key (PEM).")] = None,
 ) -> None:
@@ -233,7 +255,8 @@ def server(
             batch_size=batch_size, lr=lr, model=model, rounds=rounds,
             min_available=min_available, round_timeout=round_timeout, quorum=quorum,
             max_update_norm=max_update_norm, dp_noise=dp_noise, dp_clip=dp_clip,
-            dp_delta=dp_delta, seed=seed,
+            dp_delta=dp_delta, seed=seed, secure_agg=secure_agg,
+            secagg_threshold=secagg_threshold, secagg_clip=secagg_clip,
         )  # fmt: skip
         fl_server = FederatedServer(
             config, built, digits("val"), dp=dp, checkpoint_dir=checkpoint_dir
@@ -302,3 +325,8 @@ def load_client_data(spec: str):
     if set(tensors) != {"x", "y"} or len(tensors["x"]) != len(tensors["y"]):
         raise ValueError(f"{spec}: expected tensors x and y of the same length")
     return TensorDataset(tensors["x"].float(), tensors["y"].long())
+
+
+from distml.cli.fl_hub import hub_app  # noqa: E402  (the hub's commands live in their own file)
+
+fl_app.add_typer(hub_app, name="hub")

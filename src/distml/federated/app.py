@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 from contextlib import asynccontextmanager, suppress
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
+import torch
 from fastapi import FastAPI, HTTPException, Query, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.responses import Response
@@ -22,6 +23,8 @@ from distml.net import create_app, decode_tensors, encode_tensors, read_body
 from distml.net.tensors import TensorPayloadError
 
 SAFETENSORS = "application/octet-stream"
+MessageStage = Literal["advertise", "share_keys", "masked_input", "unmask"]
+ViewStage = Literal["share_keys", "masked_input", "unmask"]
 
 
 def _identity(request: Request) -> str:
@@ -116,6 +119,47 @@ def create_fl_app(
             raise HTTPException(exc.status, str(exc)) from None
         updates.labels("accepted").inc()
         return {"status": "accepted", "round": round}
+
+    @app.post("/v1/secagg/{stage}")
+    async def secagg_message(
+        request: Request, stage: MessageStage, round: Annotated[int, Query(ge=1)]
+    ) -> dict[str, Any]:
+        """A secure-aggregation message: JSON, or for the masked input a safetensors body with
+        the tensor ``masked``."""
+        client = _identity(request)
+        body = await read_body(request, max_body_bytes)
+        try:
+            if stage == "masked_input":
+                tensors, _ = decode_tensors(body)
+                if tensors["masked"].dtype != torch.int32:
+                    raise ValueError(f"masked must be int32, got {tensors['masked'].dtype}")
+                payload = tensors["masked"].to(torch.int64) % 2**32  # the ring's values again
+            else:
+                payload = json.loads(body)
+        except (TensorPayloadError, KeyError, ValueError) as exc:
+            raise HTTPException(400, f"{stage}: not a valid message ({exc!r})") from None
+        try:
+            await server.secure_receive(client, round, stage, payload, len(body))
+        except UpdateRejected as exc:
+            raise HTTPException(exc.status, str(exc)) from None
+        return {"status": "accepted", "stage": stage}
+
+    @app.get("/v1/secagg/{stage}")
+    async def secagg_view(
+        request: Request,
+        stage: ViewStage,
+        round: Annotated[int, Query(ge=1)],
+        wait: Annotated[float, Query(ge=0, le=60)] = 20.0,
+    ) -> Any:
+        """What a client needs for ``stage`` once the stage before has closed; 425 until then."""
+        client = _identity(request)
+        try:
+            view = await server.secure_view(client, round, stage, wait)
+        except UpdateRejected as exc:
+            raise HTTPException(exc.status, str(exc)) from None
+        if view is None:
+            raise HTTPException(425, f"{stage}: the stage before is still open")
+        return view
 
     @app.get("/v1/history")
     async def history() -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 from torch.utils.data import TensorDataset
 
 from distml.federated.task import Params, build_model, evaluate, set_params, train_local
-from distml.net import ServiceClient, decode_tensors, encode_tensors
+from distml.net import ServiceClient, ServiceError, decode_tensors, encode_tensors
 
 Attack = Callable[[Params], Params]
 
@@ -55,12 +55,14 @@ class FederatedClient:
     def register(self) -> dict[str, Any]:
         return self.http.request("POST", "/v1/register").json()
 
-    def fit_if_selected(self) -> bool:
-        """Train once if the open round selected this client; False if it did not."""
+    def task(self) -> dict[str, Any] | None:
+        """This client's task in the open round; None if it was not selected."""
         response = self.http.request("GET", "/v1/task")
-        if response.status_code == 204:
-            return False
-        task = response.json()
+        return None if response.status_code == 204 else response.json()
+
+    def train(self, task: dict[str, Any]) -> tuple[Params, int, dict[str, float]]:
+        """Fetch the global model, evaluate it on the local data, train: (delta, examples,
+        metrics)."""
         params, _ = decode_tensors(self.http.request("GET", "/v1/model").content)
         model = self._model(task["model"])
         set_params(model, params)
@@ -77,21 +79,21 @@ class FederatedClient:
             seed=self.seed * 1_000 + task["round"],
         )
         delta = self.attack(result.delta) if self.attack else result.delta
-        metrics = {
-            "loss": before["loss"],
-            "accuracy": before["accuracy"],
-            "train_loss": result.loss,
-        }
+        self.rounds_trained += 1
+        metrics = {"loss": before["loss"], "accuracy": before["accuracy"]}
+        return delta, result.num_examples, metrics | {"train_loss": result.loss}
+
+    def fit(self, task: dict[str, Any]) -> None:
+        """Train and send the update in the clear (the server sees it, not the data)."""
+        delta, examples, metrics = self.train(task)
         body = encode_tensors(
-            delta, {"num_examples": str(result.num_examples), "metrics": json.dumps(metrics)}
+            delta, {"num_examples": str(examples), "metrics": json.dumps(metrics)}
         )
         try:
             self.http.request("POST", "/v1/update", params={"round": task["round"]}, content=body)
-        except Exception as exc:  # a late update is the server's call, not this client's failure
-            if getattr(exc, "status", None) != 409:
+        except ServiceError as exc:  # a late update is the server's call, not a failure here
+            if exc.status != 409:
                 raise
-        self.rounds_trained += 1
-        return True
 
     def _model(self, name: str):
         if name not in self._models:
@@ -120,8 +122,13 @@ def run_clients(clients: list[FederatedClient], poll_s: float = 20.0) -> None:
                 client.register()
             generation, served = status["generation"], 0
         if status["open"] and status["attempt"] != served:
-            for client in clients:
-                client.fit_if_selected()
+            tasks = [(client, client.task()) for client in clients]
+            selected = [(client, task) for client, task in tasks if task is not None]
+            if any("secagg" in task for _, task in selected):
+                run_secure_round(selected)
+            else:
+                for client, task in selected:
+                    client.fit(task)
             served = status["attempt"]
         # Long-poll: wakes when a round opens or completes, or after poll_s to refresh presence.
         status = watcher.request(
@@ -134,3 +141,16 @@ def run_clients(clients: list[FederatedClient], poll_s: float = 20.0) -> None:
                 "generation": generation,
             },
         ).json()
+
+
+def run_secure_round(selected: list[tuple[FederatedClient, dict[str, Any]]]) -> None:
+    """This process's selected clients through the four stages of secure aggregation, stage by
+    stage together (each stage closes only when every client of the round has answered it). A
+    client the protocol leaves out, or that cannot go on safely, sits the round out."""
+    from distml.federated.secure_client import SecureSession
+
+    sessions = [SecureSession(client, task) for client, task in selected]
+    for stage in ("advertise", "share_keys", "masked_input", "unmask"):
+        for session in sessions:
+            session.step(stage)
+        sessions = [s for s in sessions if s.active]

@@ -391,6 +391,18 @@ class SecAggServer:
             )
         return sorted(arrived)
 
+    def waiting_for(self) -> set[int]:
+        """The clients the open stage still expects a message from (empty once all is done)."""
+        if self._u1 is None:
+            return self.participants - set(self._ads)
+        if self._u2 is None:
+            return set(self._u1) - set(self._shares)
+        if self._u3 is None:
+            return set(self._u2) - self._masked
+        if self._total is None:
+            return set(self._u3) - set(self._reveals)
+        return set()
+
     def receive_advertisement(self, client_id: int, adv: dict[str, str]) -> None:
         self._check(client_id, "advertise", self.participants, self._u1 is None, self._ads)
         if not isinstance(adv, dict) or set(adv) != set(_KEYS):
@@ -413,9 +425,14 @@ class SecAggServer:
             _unb64(text, _SEALED, f"client {client_id}, share_keys: the shares for {peer}")
         self._shares[client_id] = dict(out)
 
-    def shares_for(self, client_id: int) -> dict[str, str]:
+    def close_shares(self) -> list[int]:
+        """Fix U2, the clients whose shares arrived (as the first :meth:`shares_for` does)."""
         if self._u2 is None:
             self._u2 = self._close("share_keys", self._shares)
+        return list(self._u2)
+
+    def shares_for(self, client_id: int) -> dict[str, str]:
+        self.close_shares()
         if client_id not in self._u2:
             raise SecAggError(f"client {client_id}, share_keys: did not send shares (not in U2)")
         return {str(u): self._shares[u][str(client_id)] for u in self._u2 if u != client_id}

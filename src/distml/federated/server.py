@@ -24,8 +24,17 @@ from torch.utils.data import TensorDataset
 
 from distml.federated.checkpoint import load_checkpoint, save_checkpoint
 from distml.federated.privacy import ClientLevelDP
+from distml.federated.secure_round import STAGES, SecureRound, StageError
 from distml.federated.strategy import ClientUpdate, Strategy
-from distml.federated.task import Params, build_model, evaluate, get_params, norm, set_params
+from distml.federated.task import (
+    Params,
+    build_model,
+    evaluate,
+    get_params,
+    norm,
+    set_params,
+    unflatten,
+)
 
 
 class ServerConfig(BaseModel):
@@ -37,6 +46,12 @@ class ServerConfig(BaseModel):
     availability_s: float = Field(120.0, gt=0, description="silence after which a client is away")
     max_update_norm: float | None = Field(None, gt=0, description="refuse updates above it")
     seed: int = 0
+    secure_aggregation: bool = False
+    secagg_threshold: float = Field(0.6, gt=0, le=1, description="t as a fraction of selected")
+    secagg_clip: float = Field(1.0, gt=0, description="quantisation range of a coordinate")
+    secagg_frac_bits: int = Field(20, ge=0, le=30)
+    secagg_weight_scale: float = Field(100.0, gt=0, description="examples for weight 1")
+    secagg_stage_timeout_s: float = Field(30.0, gt=0, description="deadline of a key stage")
 
 
 class UpdateRejected(ValueError):
@@ -59,6 +74,7 @@ class Round:
     open: bool = True
     bytes_down: int = 0
     bytes_up: int = 0
+    secure: SecureRound | None = None
 
 
 class FederatedServer:
@@ -73,6 +89,10 @@ class FederatedServer:
     ):
         if dp is not None and strategy.needs_individual_updates:
             raise ValueError(f"DP-FedAvg noises a mean; the {strategy.name} rule needs each update")
+        if config.secure_aggregation and strategy.needs_individual_updates:
+            raise ValueError(
+                f"secure aggregation shows only the sum; the {strategy.name} rule needs each update"
+            )
         self.config = config
         self.strategy = strategy
         self.dp = dp
@@ -109,7 +129,12 @@ class FederatedServer:
         r = self.round
         if r is None or not r.open or client not in r.selected or client in r.updates:
             return None
-        return {"round": r.number, "model": self.config.model, "config": r.config}
+        task = {"round": r.number, "model": self.config.model, "config": r.config}
+        if r.secure is not None:
+            task["secagg"] = r.secure.task(client) | {
+                "weight_scale": None if self.dp else self.config.secagg_weight_scale
+            }
+        return task
 
     def status(self) -> dict[str, Any]:
         r = self.round
@@ -225,35 +250,100 @@ class FederatedServer:
                 cfg["clip_norm"] = self.dp.clip_norm
             deadline = time.monotonic() + self.config.round_timeout_s
             self.round = Round(number, len(self.history) + 1, selected, cfg, deadline)
+            if self.config.secure_aggregation:
+                self.round.secure = self._secure_round(selected)
             self._cond.notify_all()
             return self.round
 
+    def _secure_round(self, selected: list[str]) -> SecureRound:
+        c = self.config
+        length = sum(p.numel() for p in self.params.values()) + 1  # the weight rides along
+        params = SecureRound.params_for(
+            len(selected), length, c.secagg_threshold, clip=c.secagg_clip,
+            frac_bits=c.secagg_frac_bits,
+        )  # fmt: skip
+        return SecureRound(selected, params)
+
     async def _collect(self, r: Round) -> None:
-        """Wait for every selected client's update, or the deadline; then close the round."""
+        """Wait for every selected client's update, or the deadline; then close the round.
+        Under secure aggregation, the same for each stage of the protocol."""
         async with self._cond:
-            try:
-                await asyncio.wait_for(
-                    self._cond.wait_for(lambda: len(r.updates) == len(r.selected)),
-                    self.config.round_timeout_s,
-                )
-            except TimeoutError:
-                pass
+            if r.secure is None:
+                await self._wait(lambda: len(r.updates) == len(r.selected), r.deadline)
+            else:
+                while not r.secure.done:
+                    training = STAGES[r.secure.stage] == "masked_input"
+                    timeout = self.config.round_timeout_s if training else (
+                        self.config.secagg_stage_timeout_s
+                    )  # fmt: skip
+                    await self._wait(r.secure.complete, time.monotonic() + timeout)
+                    r.secure.close_stage()
+                    self._cond.notify_all()
             r.open = False
             self._cond.notify_all()
 
+    async def _wait(self, predicate, deadline: float) -> None:
+        """Wait (holding the condition) until ``predicate()`` or the deadline."""
+        try:
+            await asyncio.wait_for(self._cond.wait_for(predicate), deadline - time.monotonic())
+        except TimeoutError:
+            pass
+
+    # -- secure aggregation's messages ------------------------------------------------------
+    def _secure(self, client: str, round_number: int) -> SecureRound:
+        r = self.round
+        if r is None or r.number != round_number or not r.open or r.secure is None:
+            raise UpdateRejected(f"round {round_number} takes no secure-aggregation messages", 409)
+        if client not in r.selected:
+            raise UpdateRejected(f"{client} was not selected for round {round_number}", 403)
+        return r.secure
+
+    async def secure_receive(
+        self, client: str, round_number: int, stage: str, payload: Any, nbytes: int
+    ) -> None:
+        async with self._cond:
+            secure = self._secure(client, round_number)
+            try:
+                secure.receive(client, stage, payload)
+            except StageError as exc:
+                raise UpdateRejected(str(exc), exc.status) from None
+            self.round.bytes_up += nbytes
+            self.clients[client] = time.monotonic()
+            self._cond.notify_all()
+
+    async def secure_view(self, client: str, round_number: int, stage: str, wait: float) -> Any:
+        """What ``client`` needs for ``stage``, waiting up to ``wait`` s for the stage before it
+        to close; None if it has not."""
+        async with self._cond:
+            secure = self._secure(client, round_number)
+
+            def ready() -> bool:
+                return secure.done or secure.view(client, stage) is not None
+
+            try:
+                await self._wait(ready, time.monotonic() + wait)
+                return secure.view(client, stage)
+            except StageError as exc:
+                raise UpdateRejected(str(exc), exc.status) from None
+
     async def _finish_round(self, r: Round) -> dict[str, Any]:
         updates = list(r.updates.values())
+        answered = len(updates) if r.secure is None else r.secure.survivors()
         needed = max(1, math.ceil(self.config.quorum * len(r.selected)))
         record: dict[str, Any] = {
             "round": r.number,
             "selected": len(r.selected),
-            "participants": len(updates),
-            "dropped": len(r.selected) - len(updates),
+            "participants": answered,
+            "dropped": len(r.selected) - answered,
             "bytes_down": r.bytes_down,
             "bytes_up": r.bytes_up,
         }
-        if len(updates) < needed:
+        if r.secure is not None:
+            record["secure"] = True
+        if answered < needed or (r.secure is not None and r.secure.total is None):
             record["status"] = "failed"
+            if r.secure is not None and r.secure.failure:
+                record["reason"] = r.secure.failure
             record["duration_s"] = time.perf_counter() - r.started
             return record
         available = max(len(self.available()), len(r.selected))
@@ -267,7 +357,9 @@ class FederatedServer:
             ]
         )
         record.update({f"client_{k}": v for k, v in fed.items()})
-        record["train_loss"] = sum(u.metrics.get("train_loss", 0.0) for u in updates) / len(updates)
+        if updates:
+            losses = [u.metrics.get("train_loss", 0.0) for u in updates]
+            record["train_loss"] = sum(losses) / len(losses)
         if self.dp is not None:
             record["epsilon"] = self.dp.epsilon()
         record["status"] = "completed"
@@ -275,9 +367,17 @@ class FederatedServer:
         return record
 
     def _aggregate(self, r: Round, updates: list[ClientUpdate], available: int) -> Params:
-        if self.dp is None:
+        if r.secure is not None:
+            vector = r.secure.total.double()
+            if self.dp is None:  # sum of w * delta over sum of w: the weighted mean
+                return self.strategy.apply(
+                    self.params, unflatten((vector[:-1] / vector[-1]).float(), self.params)
+                )
+            total = unflatten(vector[:-1].float(), self.params)
+        elif self.dp is None:
             return self.strategy.aggregate_fit(r.number, self.params, updates)
-        total = {n: sum(u.delta[n] for u in updates) for n in self.params}
+        else:
+            total = {n: sum(u.delta[n] for u in updates) for n in self.params}
         mean = self.dp.noisy_mean(total, len(r.selected))
         self.dp.account_round(len(r.selected) / available)
         return self.strategy.apply(self.params, mean)

@@ -1,0 +1,90 @@
+"""Secure aggregation inside real rounds over HTTP: the model it gives is the plain round's (to
+the quantisation step), a client that drops out after sharing its keys leaves exactly the
+survivors' mean, and the server never holds a client's update."""
+
+import json
+import threading
+
+import httpx
+import torch
+from torch.utils.data import TensorDataset
+
+from distml.data import digits
+from distml.federated.app import create_fl_app
+from distml.federated.client import FederatedClient, run_clients
+from distml.federated.secagg import SecAggClient, SecAggParams
+from distml.federated.server import FederatedServer, ServerConfig
+from distml.federated.strategy import LocalConfig, make_strategy
+from distml.launch.elastic import free_port
+from distml.net import BackgroundServer
+
+NAMES = ("a", "b", "c", "d")
+TOKENS = {name: f"{name}-secure-token-0123456789" for name in NAMES}
+TRAIN = digits("train")
+DATA = {n: TensorDataset(*(t[i * 70 : i * 70 + 40 + 10 * i] for t in TRAIN.tensors))
+        for i, n in enumerate(NAMES)}  # fmt: skip
+
+
+def run_round(names, *, secure, silent=(), timeout=30.0, on_url=None):
+    """One FedSGD round; clients in ``silent`` are selected but never send their update."""
+    config = ServerConfig(rounds=1, min_available=len(names), round_timeout_s=timeout,
+                          secure_aggregation=secure, secagg_threshold=0.5,
+                          secagg_stage_timeout_s=timeout)  # fmt: skip
+    local = LocalConfig(epochs=1, batch_size=0, lr=0.5)
+    strategy = make_strategy("fedavg", fraction_fit=1.0, local=local)
+    server = FederatedServer(config, strategy, digits("val"))
+    tokens = {n: TOKENS[n] for n in names}
+    with BackgroundServer(create_fl_app(server, tokens), free_port()) as bg:
+        for n in silent:
+            httpx.post(bg.url + "/v1/register", headers=auth(n)).raise_for_status()
+        if on_url is not None:
+            side = threading.Thread(target=on_url, args=(bg.url, server), daemon=True)
+            side.start()
+        clients = [FederatedClient(bg.url, TOKENS[n], DATA[n]) for n in names if n not in silent]
+        run_clients(clients)
+    return server
+
+
+def auth(name):
+    return {"Authorization": f"Bearer {TOKENS[name]}"}
+
+
+def test_a_secure_round_gives_the_plain_rounds_model_and_never_holds_an_update():
+    plain = run_round(NAMES[:3], secure=False)
+    secure = run_round(NAMES[:3], secure=True)
+    assert secure.history[0]["secure"] and secure.history[0]["participants"] == 3
+    assert secure.round.updates == {}  # only masked vectors reached the server
+    for name, want in plain.params.items():
+        # Each coordinate is quantised to 2^-20: three clients, weights > 0.4 each.
+        torch.testing.assert_close(secure.params[name], want, rtol=0, atol=1e-5)
+
+
+def drop_after_sharing_keys(url, server):
+    """Client d advertises its keys and sends its shares, then vanishes before masking."""
+    task = None
+    while task is None:
+        response = httpx.get(url + "/v1/task", headers=auth("d"))
+        task = response.json() if response.status_code == 200 else None
+    info, r = task["secagg"], task["round"]
+    protocol = SecAggClient(info["id"], SecAggParams(**info["params"]))
+    post = {"headers": auth("d"), "params": {"round": r}}
+    httpx.post(url + "/v1/secagg/advertise", content=json.dumps(protocol.advertise()), **post)
+    while True:
+        keys = httpx.get(url + "/v1/secagg/share_keys", timeout=60,
+                         params={"round": r, "wait": 20}, headers=auth("d"))  # fmt: skip
+        if keys.status_code == 200:
+            break
+    shares = protocol.share_keys(keys.json())
+    httpx.post(url + "/v1/secagg/share_keys", content=json.dumps(shares), **post).raise_for_status()
+
+
+def test_a_client_dropping_after_sharing_keys_leaves_exactly_the_survivors_mean():
+    # d's pairwise masks are in the survivors' inputs: the server rebuilds them from t shares.
+    secure = run_round(NAMES, secure=True, silent=("d",), timeout=4.0,
+                       on_url=drop_after_sharing_keys)  # fmt: skip
+    record = secure.history[0]
+    assert (record["status"], record["participants"], record["dropped"]) == ("completed", 3, 1)
+    plain = run_round(NAMES, secure=False, silent=("d",), timeout=2.0)
+    assert plain.history[0]["participants"] == 3
+    for name, want in plain.params.items():
+        torch.testing.assert_close(secure.params[name], want, rtol=0, atol=1e-5)
