@@ -72,7 +72,9 @@ def test_fedsgd_rounds_over_http_equal_full_batch_gradient_descent_on_the_union(
     server = make_server(rounds=2, local=local)
     start = get_params(server.model)
     with serving(server) as url:
-        clients = [FederatedClient(url, TOKENS[n], d) for n, d in zip(TOKENS, datasets)]
+        clients = [
+            FederatedClient(url, TOKENS[n], d) for n, d in zip(TOKENS, datasets, strict=True)
+        ]
         thread = threading.Thread(target=run_clients, args=(clients,), daemon=True)
         thread.start()
         thread.join(120)
@@ -180,7 +182,9 @@ def test_a_restarted_server_resumes_after_its_last_completed_round(tmp_path):
 
     def run(server):
         with serving(server) as url:
-            clients = [FederatedClient(url, TOKENS[n], d) for n, d in zip(TOKENS, datasets)]
+            clients = [
+                FederatedClient(url, TOKENS[n], d) for n, d in zip(TOKENS, datasets, strict=True)
+            ]
             run_clients(clients)
 
     first = make_server(tmp_path, strategy="fedadam", local=local, rounds=2, server_lr=0.05)

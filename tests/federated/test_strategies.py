@@ -20,7 +20,9 @@ def union_sgd_step(params, data, lr):
     x, y = data.tensors
     loss = F.cross_entropy(model(x), y)
     grads = torch.autograd.grad(loss, list(model.parameters()))
-    return {n: p.detach() - lr * g for (n, p), g in zip(model.named_parameters(), grads)}
+    return {
+        n: p.detach() - lr * g for (n, p), g in zip(model.named_parameters(), grads, strict=True)
+    }
 
 
 def test_fedavg_one_full_batch_step_equals_large_batch_sgd():
@@ -28,8 +30,8 @@ def test_fedavg_one_full_batch_step_equals_large_batch_sgd():
     x, y = train.tensors
     sizes = [50, 120, 31, 200]  # unequal: the example weights matter
     cuts = torch.tensor(sizes).cumsum(0).tolist()[:-1]
-    clients = [TensorDataset(a, b) for a, b in zip(x[: sum(sizes)].tensor_split(cuts),
-                                                    y[: sum(sizes)].tensor_split(cuts))]  # fmt: skip
+    xs, ys = x[: sum(sizes)].tensor_split(cuts), y[: sum(sizes)].tensor_split(cuts)
+    clients = [TensorDataset(a, b) for a, b in zip(xs, ys, strict=True)]
     start = get_params(build_model("digits-mlp", seed=3))
     strategy = make_strategy("fedavg", fraction_fit=1.0, local=LocalConfig(batch_size=0, lr=0.5))
     updates = []
