@@ -309,6 +309,7 @@ def tokens(
 def load_client_data(spec: str):
     """A client's local dataset from ``spec`` (see ``distml fl client --data``)."""
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     from torch.utils.data import TensorDataset
 
@@ -321,7 +322,10 @@ def load_client_data(spec: str):
         train = digits("train")
         idx = torch.arange(len(train)).tensor_split(int(n))[int(k)]
         return TensorDataset(*(t[idx] for t in train.tensors))
-    tensors = load_file(spec)
+    try:
+        tensors = load_file(spec)
+    except SafetensorError as exc:
+        raise ValueError(f"{spec}: not a safetensors file ({exc})") from None
     if set(tensors) != {"x", "y"} or len(tensors["x"]) != len(tensors["y"]):
         raise ValueError(f"{spec}: expected tensors x and y of the same length")
     return TensorDataset(tensors["x"].float(), tensors["y"].long())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -32,7 +32,7 @@ app = typer.Typer(
 err = Console(stderr=True)
 
 
-def fail_usage(message: str) -> None:
+def fail_usage(message: str) -> NoReturn:
     err.print("[bold red]error:[/]", highlight=False, end=" ")
     err.print(message, highlight=False, markup=False, soft_wrap=True)
     raise typer.Exit(2)

@@ -40,7 +40,12 @@ from distml.federated.task import (
 class ServerConfig(BaseModel):
     model: str = "digits-mlp"
     rounds: int = Field(10, ge=1)
-    min_available: int = Field(2, ge=1, description="clients registered before round 1")
+    min_available: int = Field(
+        2,
+        ge=1,
+        description="clients registered before round 1 (later rounds, and a resumed "
+        "run, wait only for the strategy's minimum per round)",
+    )
     round_timeout_s: float = Field(60.0, gt=0, description="deadline of a round's updates")
     quorum: float = Field(0.5, gt=0, le=1, description="fraction of the selected that must answer")
     availability_s: float = Field(120.0, gt=0, description="silence after which a client is away")
@@ -242,7 +247,10 @@ class FederatedServer:
 
     async def _open_round(self) -> Round:
         async with self._cond:
-            await self._cond.wait_for(lambda: len(self.available()) >= self.config.min_available)
+            # A resumed server may never see again a client that was lost with the old process.
+            needed = (self.config.min_available if self.completed == 0
+                      else self.strategy.min_fit_clients)  # fmt: skip
+            await self._cond.wait_for(lambda: len(self.available()) >= needed)
             number = self.completed + 1
             rng = random.Random(f"{self.config.seed}:{len(self.history)}")  # a rerun draws anew
             selected, cfg = self.strategy.configure_fit(number, self.available(), rng)

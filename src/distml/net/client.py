@@ -4,6 +4,7 @@ exponential back-off for the failures a restart causes (refused connections, 502
 from __future__ import annotations
 
 import random
+import ssl
 import time
 from typing import Any
 
@@ -35,10 +36,12 @@ class ServiceClient:
         *,
         timeout_s: float = 60.0,
         retry_s: float = 60.0,
-        verify: bool | str = True,
+        verify: bool | str | ssl.SSLContext = True,
     ):
         self.url = url.rstrip("/")
         self.retry_s = retry_s
+        if isinstance(verify, str):  # a CA bundle: httpx takes it as an SSL context
+            verify = ssl.create_default_context(cafile=verify)
         self._http = httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}"},

@@ -1,0 +1,119 @@
+"""A federation of real processes on loopback: `distml fl server` over TLS and three
+`distml fl client` processes, each holding its own data. One client is killed; later the server
+is killed too and restarted from its checkpoint; the rounds still complete."""
+
+import datetime
+import ipaddress
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import time
+
+import httpx
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from distml.launch.elastic import free_port
+
+LOOPBACK = ipaddress.ip_address("127.0.0.1")
+
+
+def self_signed(tmp_path):
+    """A certificate for 127.0.0.1 and its key, as PEM files."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(LOOPBACK)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))  # fmt: skip
+    return cert_file, key_file
+
+
+def distml(*args, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "distml", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)  # fmt: skip
+
+
+def test_a_federation_of_processes_survives_a_killed_client_and_a_restarted_server(tmp_path):
+    cert, key = self_signed(tmp_path)
+    tokens_file = tmp_path / "tokens.json"
+    made = subprocess.run([sys.executable, "-m", "distml", "fl", "tokens", "3"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    tokens_file.write_text(made.stdout)
+    tokens = json.loads(made.stdout)
+    port = free_port()
+    url = f"https://127.0.0.1:{port}"
+    server_args = (
+        "fl", "server", "--tokens", str(tokens_file), "--port", str(port), "--rounds", "4",
+        "--min-available", "3", "--round-timeout", "3", "--quorum", "0.5",
+        "--checkpoint-dir", str(tmp_path / "ckpt"), "--lr", "0.3",
+        "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+    )  # fmt: skip
+    ca = ssl.create_default_context(cafile=str(cert))
+    watch = httpx.Client(base_url=url, verify=ca, timeout=30,
+                         headers={"Authorization": f"Bearer {tokens['client-0000']}"})  # fmt: skip
+
+    def status():
+        try:
+            return watch.get("/v1/status").json()
+        except httpx.TransportError:
+            return None
+
+    def wait_for(predicate, timeout=120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = status()
+            if s is not None and predicate(s):
+                return s
+            time.sleep(0.1)
+        raise AssertionError(f"timed out; last status {status()}")
+
+    server = distml(*server_args)
+    clients = []
+    try:
+        for k, token in enumerate(tokens.values()):
+            env = os.environ | {"DISTML_TOKEN": token}
+            clients.append(distml("fl", "client", "--server", url, "--data", f"digits:{k}/3",
+                                  "--ca-cert", str(cert), env=env))  # fmt: skip
+        wait_for(lambda s: s["completed"] >= 1)
+        clients[2].send_signal(signal.SIGKILL)
+        clients[2].wait(10)
+        wait_for(lambda s: s["completed"] >= 2)
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+        server = distml(*server_args)  # the same checkpoint directory: it resumes at round 3
+        resumed = wait_for(lambda s: s["generation"] is not None)
+        assert resumed["completed"] >= 2
+        wait_for(lambda s: s["finished"])
+        history = watch.get("/v1/history").json()["history"]
+        for c in clients[:2]:
+            out, err = c.communicate(timeout=60)
+            assert c.returncode == 0, err[-2000:]
+            assert json.loads(out)["rounds_trained"] >= 3
+    finally:
+        for p in [server, *clients]:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    done = [h for h in history if h["status"] == "completed"]
+    assert [h["round"] for h in done] == [1, 2, 3, 4]
+    assert done[0]["participants"] == 3
+    # The restarted server knows only the clients that came back: the killed one is not asked.
+    assert all(h["participants"] == h["selected"] == 2 for h in done[2:]), history
+    assert done[-1]["accuracy"] > 0.5
