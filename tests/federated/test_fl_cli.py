@@ -114,6 +114,6 @@ def test_a_federation_of_processes_survives_a_killed_client_and_a_restarted_serv
     done = [h for h in history if h["status"] == "completed"]
     assert [h["round"] for h in done] == [1, 2, 3, 4]
     assert done[0]["participants"] == 3
-    # The restarted server knows only the clients that came back: the killed one is not asked.
-    assert all(h["participants"] == h["selected"] == 2 for h in done[2:]), history
+    # The restarted server remembers the killed client: asked, it is left out at the deadline.
+    assert all(h["participants"] == 2 and h["dropped"] == 1 for h in done[2:]), history
     assert done[-1]["accuracy"] > 0.5

@@ -40,12 +40,7 @@ from distml.federated.task import (
 class ServerConfig(BaseModel):
     model: str = "digits-mlp"
     rounds: int = Field(10, ge=1)
-    min_available: int = Field(
-        2,
-        ge=1,
-        description="clients registered before round 1 (later rounds, and a resumed "
-        "run, wait only for the strategy's minimum per round)",
-    )
+    min_available: int = Field(2, ge=1, description="available clients to start a round")
     round_timeout_s: float = Field(60.0, gt=0, description="deadline of a round's updates")
     quorum: float = Field(0.5, gt=0, le=1, description="fraction of the selected that must answer")
     availability_s: float = Field(120.0, gt=0, description="silence after which a client is away")
@@ -247,10 +242,7 @@ class FederatedServer:
 
     async def _open_round(self) -> Round:
         async with self._cond:
-            # A resumed server may never see again a client that was lost with the old process.
-            needed = (self.config.min_available if self.completed == 0
-                      else self.strategy.min_fit_clients)  # fmt: skip
-            await self._cond.wait_for(lambda: len(self.available()) >= needed)
+            await self._cond.wait_for(lambda: len(self.available()) >= self.config.min_available)
             number = self.completed + 1
             rng = random.Random(f"{self.config.seed}:{len(self.history)}")  # a rerun draws anew
             selected, cfg = self.strategy.configure_fit(number, self.available(), rng)
@@ -404,6 +396,7 @@ class FederatedServer:
             state={
                 "completed": self.completed,
                 "history": self.history,
+                "clients": sorted(self.clients),
                 "dp": self.dp.state() if self.dp else None,
                 "strategy": self.strategy.name,
                 "model": self.config.model,
@@ -421,6 +414,10 @@ class FederatedServer:
         self.strategy.load_state_dict(strategy_state)
         self.completed = int(state["completed"])
         self.history = list(state["history"])
+        # The clients known before the restart count as available until they stay silent for
+        # availability_s, as they would have without the restart.
+        now = time.monotonic()
+        self.clients = {name: now for name in state.get("clients", [])}
         if self.dp is not None and state.get("dp"):
             self.dp.load_state(state["dp"])
 
