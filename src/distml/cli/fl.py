@@ -148,6 +148,9 @@ def simulate(
     secure_agg: SecureAgg = False,
     secagg_threshold: SecThreshold = 0.6,
     secagg_clip: SecClip = 1.0,
+    out: Annotated[
+        Path | None, typer.Option(help="Write history.json, summary.json and report.html here.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line per round.")] = False,
 ) -> None:
     """Many virtual clients in a pool of processes against the real server over loopback."""
@@ -180,8 +183,10 @@ def simulate(
     except ValueError as exc:
         fail_usage(str(exc))
     console = Console()
+    history: list[dict[str, Any]] = []
 
     def show(record: dict[str, Any]) -> None:
+        history.append(record)
         if as_json:
             keys = ("round", "status", "participants", "accuracy", "loss", "epsilon")
             line = {k: record[k] for k in keys if k in record}
@@ -199,6 +204,13 @@ def simulate(
                                  on_round=show)  # fmt: skip
     except (ValueError, RuntimeError) as exc:
         fail_usage(str(exc))
+    if out is not None:
+        from distml.telemetry.federated_report import write_federated_report
+
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "history.json").write_text(json.dumps(history, indent=1))
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        summary["report"] = str(write_federated_report(out, history, summary))
     if as_json:
         print_json_line(summary)
     else:

@@ -8,6 +8,7 @@ global model, evaluates it on its own data, trains on it, and sends back only it
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,9 @@ from distml.federated.task import Params, build_model, evaluate, set_params, tra
 from distml.net import ServiceClient, ServiceError, decode_tensors, encode_tensors
 
 Attack = Callable[[Params], Params]
+# Energy of local training, estimated from its CPU time as distml.telemetry.energy does where no
+# hardware counter is read: a typical figure per busy core.
+WATTS_PER_CORE = 10.0
 
 
 def parse_attack(spec: str) -> Attack:
@@ -68,6 +72,7 @@ class FederatedClient:
         set_params(model, params)
         before = evaluate(model, self.data)  # the global model on this client's data
         cfg = task["config"]
+        cpu = time.process_time()
         result = train_local(
             model,
             self.data,
@@ -78,9 +83,10 @@ class FederatedClient:
             clip_norm=cfg.get("clip_norm"),
             seed=self.seed * 1_000 + task["round"],
         )
+        energy_j = (time.process_time() - cpu) * WATTS_PER_CORE
         delta = self.attack(result.delta) if self.attack else result.delta
         self.rounds_trained += 1
-        metrics = {"loss": before["loss"], "accuracy": before["accuracy"]}
+        metrics = {"loss": before["loss"], "accuracy": before["accuracy"], "energy_j": energy_j}
         return delta, result.num_examples, metrics | {"train_loss": result.loss}
 
     def fit(self, task: dict[str, Any]) -> None:

@@ -75,6 +75,7 @@ class Round:
     bytes_down: int = 0
     bytes_up: int = 0
     secure: SecureRound | None = None
+    arrivals: list[float] = field(default_factory=list)  # when each update came in
 
 
 class FederatedServer:
@@ -218,6 +219,7 @@ class FederatedServer:
             if client in r.updates:
                 raise UpdateRejected(f"{client} has already answered round {round_number}", 409)
             r.updates[client] = ClientUpdate(client, delta, num_examples, metrics)
+            r.arrivals.append(time.perf_counter())
             r.bytes_up += nbytes
             self.clients[client] = time.monotonic()
             self._cond.notify_all()
@@ -360,6 +362,10 @@ class FederatedServer:
         if updates:
             losses = [u.metrics.get("train_loss", 0.0) for u in updates]
             record["train_loss"] = sum(losses) / len(losses)
+            # Synchronisation overhead: how long the first update waited for the last.
+            record["straggler_wait_s"] = max(r.arrivals) - min(r.arrivals)
+            energy = [u.metrics["energy_j"] for u in updates if "energy_j" in u.metrics]
+            record["energy_j"] = sum(energy) if energy else None
         if self.dp is not None:
             record["epsilon"] = self.dp.epsilon()
         record["status"] = "completed"
@@ -433,4 +439,7 @@ class FederatedServer:
             "late_updates": self.late,
             "bytes_down": sum(h["bytes_down"] for h in self.history),
             "bytes_up": sum(h["bytes_up"] for h in self.history),
+            "straggler_wait_s": sum(h.get("straggler_wait_s", 0.0) for h in done),
+            "energy_j": sum(h.get("energy_j") or 0.0 for h in done),
+            "energy_source": "estimated: clients' training CPU time x 10 W/core",
         }

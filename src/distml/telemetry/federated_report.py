@@ -1,0 +1,68 @@
+"""The report of a federated run: accuracy and loss against rounds, what each round cost (bytes,
+the wait for the slowest client, energy), and the privacy spent — one self-contained HTML file
+like a training run's report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from distml.telemetry.report import _CSS, _esc, _figure, _png, _table
+
+_SUMMARY = (
+    "strategy", "clients", "partition", "rounds", "accuracy", "loss", "epsilon", "failed_rounds",
+    "late_updates", "bytes_down", "bytes_up", "straggler_wait_s", "energy_j", "energy_source",
+    "wall_s",
+)  # fmt: skip
+_ROUND_COLUMNS = (
+    "round", "status", "selected", "participants", "accuracy", "loss", "epsilon", "bytes_down",
+    "bytes_up", "straggler_wait_s", "energy_j", "duration_s",
+)  # fmt: skip
+
+
+def _series(history: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    rows = [h for h in history if h.get("status") == "completed" and h.get(key) is not None]
+    return [h["round"] for h in rows], [float(h[key]) for h in rows]
+
+
+def write_federated_report(out_dir: Path, history: list[dict[str, Any]], summary: dict[str, Any]):
+    """Write out_dir/'report.html' and return its path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = []
+    for key, title, label in (
+        ("accuracy", "Validation accuracy of the global model", "accuracy"),
+        ("loss", "Validation loss of the global model", "loss"),
+        ("epsilon", "Privacy spent (epsilon)", "epsilon"),
+    ):
+        rounds, values = _series(history, key)
+        if rounds:
+            fig, ax = _figure(label, title, "round", key)
+            ax.plot(rounds, values, marker=".")
+            plots.append(_png(fig))
+    rounds, down = _series(history, "bytes_down")
+    _, up = _series(history, "bytes_up")
+    if rounds:
+        fig, ax = _figure("bytes", "Bytes on the network per round", "round", "bytes")
+        ax.bar(rounds, down, label="to clients")
+        ax.bar(rounds, up, bottom=down, label="from clients")
+        ax.legend()
+        plots.append(_png(fig))
+    parts = [
+        "<h1>Federated run</h1>",
+        "<h2>Summary</h2>",
+        _table(["figure", "value"], [[k, summary[k]] for k in _SUMMARY if k in summary]),
+        "<h2>Plots</h2>",
+        *(plots or ["<p>No round completed.</p>"]),
+        "<h2>Rounds</h2>",
+        _table(list(_ROUND_COLUMNS), [[h.get(c) for c in _ROUND_COLUMNS] for h in history]),
+    ]
+    doc = (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>{_esc('federated run')}</title><style>{_CSS}</style></head>\n<body>\n"
+        + "\n".join(parts)
+        + "\n</body></html>\n"
+    )
+    path = out_dir / "report.html"
+    path.write_text(doc, encoding="utf-8")
+    return path
