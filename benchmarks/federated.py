@@ -2,7 +2,7 @@
 of McMahan et al. 2017), and the cost of secure aggregation.
 
     python benchmarks/federated.py                      # both parts
-    python benchmarks/federated.py --part rounds --max-rounds 150 --target 0.9
+    python benchmarks/federated.py --part rounds --max-rounds 150 --target 0.85
     python benchmarks/federated.py --part secagg --rounds 5
 
 Rounds part: 100 clients, each holding 2 classes of the digits training set (``shards:2``),
@@ -59,7 +59,9 @@ def part_rounds(args) -> dict[str, Any]:
     results = {}
     for name, epochs, batch in CONFIGS:
         started = time.perf_counter()
-        _, history = run(args.max_rounds, epochs, batch, args)
+        # FedSGD needs many more rounds (McMahan et al. report hundreds): give it 4x the budget.
+        budget = args.max_rounds * (4 if name == "FedSGD" else 1)
+        _, history = run(budget, epochs, batch, args)
         results[name] = {
             "rounds_to_target": rounds_to(history, args.target),
             "accuracy": [h["accuracy"] for h in history],
@@ -72,7 +74,7 @@ def part_rounds(args) -> dict[str, Any]:
     for name, r in results.items():
         n = r["rounds_to_target"]
         speedup = f"{base / n:.1f}x" if base and n else "-"
-        shown = str(n) if n else f"> {args.max_rounds}"
+        shown = str(n) if n else f"> {len(r['accuracy'])}"
         rows.append([name, shown, speedup, f"{r['final_accuracy']:.3f}"])
     print_table(f"Rounds to {args.target} accuracy (digits CNN, 100 clients, 2 classes each, "
                 "C = 0.1)", ["", "rounds", "vs FedSGD", "final acc"], rows)  # fmt: skip
@@ -130,8 +132,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--part", choices=["rounds", "secagg", "all"], default="all")
     parser.add_argument("--model", default="digits-cnn")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--target", type=float, default=0.85)
     parser.add_argument("--max-rounds", type=int, default=150)
     parser.add_argument("--rounds", type=int, default=6, help="rounds of the secagg part")
     parser.add_argument("--processes", type=int, default=2)
