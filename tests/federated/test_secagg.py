@@ -10,7 +10,6 @@ import random
 
 import pytest
 import torch
-from Crypto.Protocol.SecretSharing import Shamir
 
 from distml.federated import secagg
 from distml.federated.secagg import (
@@ -22,9 +21,37 @@ from distml.federated.secagg import (
     quantize,
 )
 
+P = secagg._PRIME
+
 
 def wire(msg):
     return json.loads(json.dumps(msg))
+
+
+def b64(value: int) -> str:
+    return base64.b64encode(value.to_bytes(secagg._ELEM, "big")).decode()
+
+
+def unb64(text: str) -> int:
+    return int.from_bytes(base64.b64decode(text), "big")
+
+
+def rebuild(points: dict[int, int]) -> int:
+    """The module's reconstruction: the value at 0 from shares keyed by their x."""
+    xs = sorted(points)
+    return secagg._interpolate(secagg._lagrange_at_zero(xs), [points[x] for x in xs])
+
+
+def value_at(points: dict[int, int], z: int) -> int:
+    """Plain Lagrange evaluation at z over Z_p, written apart from the module's code."""
+    total = 0
+    for xj, yj in points.items():
+        weight = 1
+        for xm in points:
+            if xm != xj:
+                weight = weight * (z - xm) * pow(xj - xm, -1, P) % P
+        total += weight * yj
+    return total % P
 
 
 def client_ids(n: int) -> list[int]:
@@ -242,7 +269,7 @@ def test_a_corrupted_mask_key_share_is_caught_by_the_server():
     for i in survivors:
         reveal = wire(r.clients[i].unmask(survivors))
         if i == survivors[0]:
-            reveal["s"][dropped] = base64.b64encode(os.urandom(32)).decode()
+            reveal["s"][dropped] = b64((unb64(reveal["s"][dropped]) + 1) % P)
         r.server.receive_unmask(i, reveal)
     with pytest.raises(SecAggError, match=f"rebuilt mask key of client {dropped}"):
         r.server.aggregate()
@@ -274,10 +301,64 @@ def test_quantize_clips_rounds_and_wraps_negatives():
         quantize(torch.zeros(4), params)
 
 
-@pytest.mark.parametrize("k", [2, 5, 17])
-def test_lagrange_reconstruction_matches_pycryptodome(k):
-    rng = random.Random(k)
+def test_server_refuses_shares_that_are_not_field_elements():
+    r = Round(5, t=3)
+    survivors = r.masked_input(r.ids[:4])
+    dropped, owner = str(r.ids[4]), str(survivors[1])
+    reveal = wire(r.clients[survivors[0]].unmask(survivors))
+    with pytest.raises(SecAggError, match=rf"b\[{owner}\]: {P} is not an element of Z_p"):
+        r.server.receive_unmask(survivors[0], {**reveal, "b": {**reveal["b"], owner: b64(P)}})
+    short = base64.b64encode(os.urandom(16)).decode()
+    with pytest.raises(SecAggError, match=rf"s\[{dropped}\]: 16 bytes, expected 17"):
+        r.server.receive_unmask(survivors[0], {**reveal, "s": {dropped: short}})
+    r.server.receive_unmask(survivors[0], reveal)
+
+
+def test_server_refuses_a_rebuilt_seed_longer_than_16_bytes():
+    r = Round(4, t=2)
+    survivors = r.masked_input()
+    first, second = survivors[:2]  # only these two reveal, so the server rebuilds from them
+    reveals = {i: wire(r.clients[i].unmask(survivors)) for i in (first, second)}
+    c_first, _ = secagg._lagrange_at_zero([sorted(r.ids).index(i) + 1 for i in (first, second)])
+    # Shift the first share so that the rebuilt b of client `first` is exactly 2^128.
+    b = int.from_bytes(r.clients[first]._b, "big")
+    share = unb64(reveals[first]["b"][str(first)])
+    reveals[first]["b"][str(first)] = b64((share + (2**128 - b) * pow(c_first, -1, P)) % P)
+    for i in (first, second):
+        r.server.receive_unmask(i, reveals[i])
+    with pytest.raises(SecAggError, match=f"seed rebuilt for client {first} exceeds 16 bytes"):
+        r.server.aggregate()
+
+
+@pytest.mark.parametrize("t", [2, 5, 60])
+def test_any_t_of_n_shares_rebuild_the_secret(t):
+    rng = random.Random(t)
+    n = 100
+    for secret in (os.urandom(16), bytes(16), b"\xff" * 16):
+        shares = secagg._split(secret, t, n)
+        assert len(shares) == n and {len(s) for s in shares} == {secagg._ELEM}
+        values = [int.from_bytes(s, "big") for s in shares]
+        assert max(values) < P
+        for k in (t, t, t + 1, n):  # more than t shares lie on the same polynomial
+            xs = rng.sample(range(1, n + 1), k)
+            assert rebuild({x: values[x - 1] for x in xs}).to_bytes(16, "big") == secret
+
+
+@pytest.mark.parametrize("t", [2, 3, 8])
+def test_t_minus_1_shares_fit_every_secret(t):
+    rng = random.Random(t)
+    n = 12
     secret = os.urandom(16)
-    shares = rng.sample(Shamir.split(k, 200, secret), k)
-    coeffs = secagg._lagrange_at_zero([x for x, _ in shares])
-    assert secagg._interpolate(coeffs, [y for _, y in shares]) == Shamir.combine(shares) == secret
+    values = [int.from_bytes(s, "big") for s in secagg._split(secret, t, n)]
+    seen = {x: values[x - 1] for x in rng.sample(range(1, n + 1), t - 1)}
+    assert rebuild(seen) != int.from_bytes(secret, "big")
+    for other in (secret, os.urandom(16), bytes(16)):
+        # The polynomial through (0, other) and the seen shares has degree < t: a full sharing
+        # of `other` that agrees with everything a coalition of t - 1 holds.
+        forged = {
+            x: value_at({0: int.from_bytes(other, "big"), **seen}, x) for x in range(1, n + 1)
+        }
+        assert all(forged[x] == y for x, y in seen.items())
+        for k in (t, t + 1):
+            xs = rng.sample(range(1, n + 1), k)
+            assert rebuild({x: forged[x] for x in xs}).to_bytes(16, "big") == other
