@@ -266,6 +266,7 @@ from distml.cli.fl import fl_app  # noqa: E402
 from distml.cli.generate import generate  # noqa: E402  (after the helpers they use)
 from distml.cli.plan import bench, plan, simulate  # noqa: E402
 from distml.cli.ps import ps_app  # noqa: E402
+from distml.cli.serve import serve_app  # noqa: E402
 
 app.command(name="plan")(plan)
 app.command(name="bench")(bench)
@@ -273,6 +274,7 @@ app.command(name="simulate")(simulate)
 app.command(name="generate")(generate)
 app.add_typer(ps_app, name="ps")
 app.add_typer(fl_app, name="fl")
+app.add_typer(serve_app, name="serve")
 
 
 def main() -> None:

@@ -1,0 +1,178 @@
+"""The router's work: forward a request to the replica the policy picks, and when that replica
+fails it (connection refused or reset, 5xx) send it to another -- inference is idempotent, so a
+replica that dies mid-request costs a retry, not the request. A health loop probes each replica
+through its real inference path and takes failing ones out of rotation until they answer again
+(the supervisor restarts dead ones). ``drain()`` refuses new requests and waits for the ones in
+flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from distml.serve.policy import PowerOfTwoChoices, ReplicaState, RoutingPolicy
+
+# Statuses a replica gives while it is down, starting or draining: worth waiting out.
+TRANSIENT = {502, 503, 504}
+
+
+class NoReplica(Exception):
+    """Every replica failed the request until the deadline."""
+
+
+class Draining(Exception):
+    """The router is shutting down and takes no new requests."""
+
+
+@dataclass
+class Forwarded:
+    status: int
+    content: bytes
+    content_type: str
+    replica: str
+    attempts: int
+
+
+class Router:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        token: str,
+        policy: RoutingPolicy | None = None,
+        *,
+        retry_s: float = 30.0,
+        timeout_s: float = 30.0,
+        health_interval_s: float = 0.5,
+        verify: bool | str = True,
+    ):
+        if not urls:
+            raise ValueError("a router needs at least one replica")
+        self.replicas = [ReplicaState(u.rstrip("/")) for u in urls]
+        self.policy = policy or PowerOfTwoChoices()
+        self.retry_s = retry_s
+        self.health_interval_s = health_interval_s
+        self.draining = False
+        self.in_flight = 0
+        self._token = token
+        self._timeout_s = timeout_s
+        self._verify = verify
+        self._http: httpx.AsyncClient | None = None
+        self._health: asyncio.Task | None = None
+        self._idle: asyncio.Event | None = None
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:  # created in the serving loop, on first use
+            self._http = httpx.AsyncClient(
+                headers={"Authorization": f"Bearer {self._token}"},
+                timeout=self._timeout_s,
+                verify=self._verify,
+                limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            )
+            self._health = asyncio.get_running_loop().create_task(self._health_loop())
+            self._idle = asyncio.Event()
+            self._idle.set()
+        return self._http
+
+    def _pick(self, tried: set[ReplicaState]) -> ReplicaState | None:
+        untried = [r for r in self.replicas if r not in tried]
+        healthy = [r for r in untried if r.healthy]
+        candidates = healthy or untried
+        return self.policy.choose(candidates) if candidates else None
+
+    async def forward(
+        self, method: str, path: str, content: bytes = b"", content_type: str = ""
+    ) -> Forwarded:
+        if self.draining:
+            raise Draining("the router is draining")
+        http = self._client()
+        assert self._idle is not None
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            return await self._forward(http, method, path, content, content_type)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def _forward(
+        self, http: httpx.AsyncClient, method: str, path: str, content: bytes, content_type: str
+    ) -> Forwarded:
+        headers = {"Content-Type": content_type} if content_type else {}
+        deadline = time.monotonic() + self.retry_s
+        tried: set[ReplicaState] = set()
+        attempts, delay, failure = 0, 0.02, ""
+        last_error: Forwarded | None = None
+        while True:
+            replica = self._pick(tried)
+            if replica is None:  # every replica failed once: wait for a restart, go round
+                if last_error is not None and last_error.status not in TRANSIENT:
+                    return last_error  # the model fails the request everywhere: say so
+                if time.monotonic() + delay > deadline:
+                    raise NoReplica(f"no replica answered {method} {path} ({failure})")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+                tried.clear()
+                continue
+            attempts += 1
+            replica.in_flight += 1
+            try:
+                response = await http.request(
+                    method, replica.url + path, content=content, headers=headers
+                )
+            except httpx.TransportError as exc:
+                replica.healthy = False
+                replica.failures += 1
+                failure = f"{replica.url}: {type(exc).__name__}"
+            else:
+                forwarded = Forwarded(
+                    response.status_code,
+                    response.content,
+                    response.headers.get("content-type", "application/json"),
+                    replica.url,
+                    attempts,
+                )
+                if response.status_code < 500:
+                    return forwarded
+                last_error = forwarded
+                failure = f"{replica.url}: {response.status_code}"
+            finally:
+                replica.in_flight -= 1
+            tried.add(replica)
+
+    async def _probe(self, replica: ReplicaState) -> None:
+        assert self._http is not None
+        try:
+            response = await self._http.get(replica.url + "/v2/health/ready", timeout=5.0)
+            ok = response.status_code == 200
+        except httpx.TransportError:
+            ok = False
+        replica.healthy = ok
+        replica.failures = 0 if ok else replica.failures + 1
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._probe(r) for r in self.replicas))
+            await asyncio.sleep(self.health_interval_s)
+
+    async def ready(self) -> bool:
+        self._client()
+        return any(r.healthy for r in self.replicas)
+
+    async def drain(self, timeout_s: float = 30.0) -> None:
+        """Refuse new requests from now on; return when those in flight are done."""
+        self.draining = True
+        if self._idle is not None:
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
+            except TimeoutError:
+                pass  # the ones still running are cut off by the shutdown
+        if self._health is not None:
+            self._health.cancel()
+        if self._http is not None:
+            await self._http.aclose()

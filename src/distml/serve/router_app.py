@@ -1,0 +1,146 @@
+"""The router as a service: the replicas' Open Inference Protocol routes, forwarded, plus
+Prometheus metrics of its own (requests by outcome, latency, in-flight per replica), and a
+uvicorn server that drains before it stops: on SIGTERM/SIGINT new requests get 503 while the
+ones in flight finish, then the server exits.
+
+>>> router = Router(["http://10.0.0.1:8100", "http://10.0.0.2:8100"], token)  # doctest: +SKIP
+>>> run_router(create_router_app(router, token), router, "0.0.0.0", 8000)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import Counter, Gauge, Histogram
+from starlette.responses import Response
+
+from distml.net import create_app, read_body
+from distml.serve.router import Draining, NoReplica, Router
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) -> FastAPI:
+    async def health() -> dict[str, Any]:
+        # The router is healthy when a replica answers a real inference through it.
+        if not await router.ready():
+            raise RuntimeError("no replica is ready")
+        return {"replicas": {r.url: r.healthy for r in router.replicas}}
+
+    app = create_app("distml router", token, health=health)
+    registry = app.state.registry
+    outcomes = Counter(
+        "distml_router_requests", "Requests by outcome", ["outcome"], registry=registry
+    )
+    retries = Counter(
+        "distml_router_retries", "Requests sent again to another replica", registry=registry
+    )
+    latency = Histogram(
+        "distml_router_latency_seconds",
+        "Time from request to response, retries included",
+        buckets=LATENCY_BUCKETS,
+        registry=registry,
+    )
+    in_flight = Gauge(
+        "distml_router_in_flight", "Requests in flight per replica", ["replica"], registry=registry
+    )
+    healthy = Gauge("distml_router_replica_healthy", "1 if ready", ["replica"], registry=registry)
+    for replica in router.replicas:
+        # Read at scrape time: the router's own counts are the truth.
+        in_flight.labels(replica.url).set_function(lambda r=replica: r.in_flight)
+        healthy.labels(replica.url).set_function(lambda r=replica: float(r.healthy))
+
+    async def forward(request: Request, path: str) -> Response:
+        body = await read_body(request, max_body) if request.method == "POST" else b""
+        with latency.time():
+            try:
+                result = await router.forward(
+                    request.method, path, body, request.headers.get("content-type", "")
+                )
+            except Draining:
+                outcomes.labels("refused").inc()
+                return JSONResponse({"error": "the router is shutting down"}, status_code=503)
+            except NoReplica as exc:
+                outcomes.labels("failed").inc()
+                return JSONResponse({"error": str(exc)}, status_code=503)
+        if result.attempts > 1:
+            retries.inc(result.attempts - 1)
+        kind = "ok" if result.status < 400 else "client_error" if result.status < 500 else "error"
+        outcomes.labels(kind).inc()
+        return Response(result.content, result.status, media_type=result.content_type)
+
+    @app.get("/v2/health/live")
+    async def live() -> dict[str, bool]:
+        return {"live": not router.draining}
+
+    @app.get("/v2/health/ready")
+    async def ready() -> Response:
+        if router.draining or not await router.ready():
+            raise HTTPException(503, "no replica is ready")
+        return await forward_get("/v2/health/ready")
+
+    async def forward_get(path: str) -> Response:
+        result = await router.forward("GET", path)
+        return Response(result.content, result.status, media_type=result.content_type)
+
+    @app.get("/v2/models/{name}")
+    async def metadata(name: str, request: Request) -> Response:
+        return await forward(request, f"/v2/models/{name}")
+
+    @app.get("/v2/models/{name}/ready")
+    async def model_ready(name: str, request: Request) -> Response:
+        return await forward(request, f"/v2/models/{name}/ready")
+
+    @app.post("/v2/models/{name}/infer")
+    async def infer(name: str, request: Request) -> Response:
+        return await forward(request, f"/v2/models/{name}/infer")
+
+    return app
+
+
+def run_router(
+    app: FastAPI,
+    router: Router,
+    host: str,
+    port: int,
+    *,
+    drain_s: float = 30.0,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+    on_started: Callable[[], None] | None = None,
+) -> None:
+    """Serve until a signal, draining first (uvicorn alone would stop listening at once, and a
+    client would see refused connections instead of a 503 it can act on)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        # Exit flags are set directly: uvicorn re-raises the signals its own handler recorded
+        # once it stops, which would kill this process before the replicas are stopped.
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if router.draining:  # a second signal: stop now
+                self.force_exit = True
+                self.should_exit = True
+                return
+            done = asyncio.run_coroutine_threadsafe(router.drain(drain_s), self._loop)
+            done.add_done_callback(lambda _: setattr(self, "should_exit", True))
+
+        async def startup(self, sockets: Any = None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+            if on_started is not None:
+                on_started()
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
+        log_level="warning",
+        access_log=False,
+    )
+    DrainingServer(config).run()

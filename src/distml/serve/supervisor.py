@@ -1,0 +1,179 @@
+"""N replica processes on this machine, each on its own port, watched by a thread that restarts
+any that dies (on the same port, so the router's list of replicas never changes). The router
+takes a dead replica out of rotation on its own; restarting it is this file's only job.
+
+>>> with ReplicaSet(ReplicaCommand("runs/digits", model="digits-cnn"), 2, token) as replicas:
+...     replicas.wait_ready(60)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from distml.launch.elastic import free_port
+from distml.net import TOKEN_ENV
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class ReplicaCommand:
+    """What every replica serves, as ``distml serve replica`` options."""
+
+    checkpoint: str
+    model: str | None = None
+    name: str | None = None
+    max_batch_size: int = 32
+    max_delay_ms: float = 2.0
+
+    def argv(self, port: int) -> list[str]:
+        argv = [sys.executable, "-m", "distml.cli.serve", "replica", str(self.checkpoint)]
+        argv += ["--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--max-batch-size", str(self.max_batch_size)]
+        argv += ["--max-delay-ms", str(self.max_delay_ms)]
+        if self.model:
+            argv += ["--model", self.model]
+        if self.name:
+            argv += ["--name", self.name]
+        return argv
+
+
+def _die_with_parent() -> None:
+    """Linux: a replica gets SIGTERM when the process supervising it dies, even by SIGKILL, so
+    no replica outlives its deployment."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass(eq=False)
+class ReplicaProcess:
+    port: int
+    log: Path
+    popen: subprocess.Popen | None = None
+    restarts: int = 0
+    exits: list[int] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, argv: list[str], env: dict[str, str]) -> None:
+        with open(self.log, "ab") as out:
+            self.popen = subprocess.Popen(
+                argv, env=env, stdout=out, stderr=out, preexec_fn=_die_with_parent
+            )
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class ReplicaSet:
+    def __init__(
+        self,
+        command: ReplicaCommand,
+        replicas: int,
+        token: str,
+        *,
+        log_dir: Path | None = None,
+        max_restarts: int = 100,
+    ):
+        if replicas < 1:
+            raise ValueError("serve at least one replica")
+        self.command = command
+        self.max_restarts = max_restarts
+        log_dir = Path(log_dir or tempfile.mkdtemp(prefix="distml-serve-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.processes = [
+            ReplicaProcess(free_port(), log_dir / f"replica-{i}.log") for i in range(replicas)
+        ]
+        # Replicas split the cores between them rather than each taking all of them.
+        threads = max(1, (os.cpu_count() or 1) // replicas)
+        self._env = {
+            **os.environ,
+            TOKEN_ENV: token,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
+        }
+        self._token = token
+        self._stop = threading.Event()
+        self._watch = threading.Thread(target=self._supervise, daemon=True)
+
+    @property
+    def urls(self) -> list[str]:
+        return [p.url for p in self.processes]
+
+    def start(self) -> ReplicaSet:
+        for p in self.processes:
+            p.start(self.command.argv(p.port), self._env)
+        self._watch.start()
+        return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Block until every replica answers a real inference (``/v2/health/ready``)."""
+        deadline = time.monotonic() + timeout_s
+        headers = {"Authorization": f"Bearer {self._token}"}
+        for p in self.processes:
+            while True:
+                if len(p.exits) >= 2:  # a replica that cannot start will not start
+                    raise RuntimeError(f"replica on port {p.port} keeps exiting:\n{p.log_tail()}")
+                try:
+                    r = httpx.get(p.url + "/v2/health/ready", headers=headers, timeout=5)
+                    if r.status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica on port {p.port} not ready:\n{p.log_tail()}")
+                time.sleep(0.1)
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(0.1):
+            for p in self.processes:
+                assert p.popen is not None
+                code = p.popen.poll()
+                if code is None or self._stop.is_set():
+                    continue
+                p.exits.append(code)
+                if p.restarts >= self.max_restarts:
+                    continue
+                p.restarts += 1
+                print(
+                    f"replica on port {p.port} exited ({code}); restart {p.restarts}",
+                    file=sys.stderr,
+                )
+                p.start(self.command.argv(p.port), self._env)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM every replica (uvicorn finishes its requests in flight), then SIGKILL."""
+        self._stop.set()
+        if self._watch.is_alive():
+            self._watch.join()
+        live = [p.popen for p in self.processes if p.popen and p.popen.poll() is None]
+        for popen in live:
+            popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for popen in live:
+            try:
+                popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                popen.kill()
+                popen.wait()
+
+    def __enter__(self) -> ReplicaSet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
