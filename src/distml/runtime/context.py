@@ -33,7 +33,6 @@ from torch.utils.data import Dataset
 from distml.config import RunConfig, config_from_env
 from distml.data.loader import ShardedLoader
 from distml.parallel.data import DataParallel, apply_data_parallel
-from distml.parallel.layout import Loss, ModelParallel, apply_layout
 from distml.parallel.local_sgd import LocalSGD
 from distml.parallel.mesh import ParallelDims
 from distml.runtime.comm_accounting import CommAccounting
@@ -46,6 +45,7 @@ from distml.train import checkpoint as ckpt
 from distml.train.evaluate import Metric, evaluate
 
 if TYPE_CHECKING:
+    from distml.parallel.layout import Loss, ModelParallel
     from distml.ps.worker import ParameterServerWorker
 
 
@@ -122,7 +122,7 @@ class Context:
 
     @property
     def model_parallel(self) -> bool:
-        return isinstance(self._strategy, ModelParallel)
+        return self._strategy is not None and self.dims.model_parallel
 
     @property
     def ps(self) -> bool:
@@ -198,6 +198,10 @@ class Context:
             raise ValueError("fp16 mixed precision needs a CUDA device; use bf16 on the CPU")
         model = model.to(self.device)
         if self.dims.model_parallel:
+            # Imported here: the layouts bring DTensor and the pipelining package, seconds of
+            # start-up that a data-parallel worker does not need.
+            from distml.parallel.layout import apply_layout
+
             self._strategy, optimizer = apply_layout(
                 model, optimizer, self.dims, self.mesh, self.config, self.device
             )

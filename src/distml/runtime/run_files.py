@@ -12,9 +12,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from distml.parallel.pipeline import pipeline_bubble
 from distml.runtime.collectives import all_gather_json
-from distml.telemetry.report import write_report
 from distml.telemetry.summary import measured_bubble, memory_per_rank, summarize
 from distml.train.checkpoint import (
     export_safetensors,
@@ -65,6 +63,8 @@ def write_run_files(ctx: Context, eval_metrics: dict[str, float]) -> dict[str, A
             for rec in records:
                 f.write(json.dumps(rec) + "\n")
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    from distml.telemetry.report import write_report  # matplotlib: rank 0 only, at the end
+
     summary["report"] = str(write_report(run_dir, per_rank, summary))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if ctx.config.telemetry.progress:
@@ -86,6 +86,8 @@ def layout_summary(ctx: Context, per_rank: list[list[dict[str, Any]]]) -> dict[s
         "memory_per_rank": memory_per_rank(per_rank),
     }
     if dims.pp > 1:
+        from distml.parallel.pipeline import pipeline_bubble
+
         out["layout"].update(
             schedule=par.schedule, microbatches=par.microbatches, stages_per_rank=par.virtual_stages
         )
