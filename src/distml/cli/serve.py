@@ -12,25 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
-from typer.core import TyperGroup
+
+from distml.cli.default_command import group_with_default
 
 DEPLOY = "deploy"
 
 
-class _DefaultDeploy(TyperGroup):
-    """``distml serve CHECKPOINT ...`` means ``distml serve deploy CHECKPOINT ...``: a first
-    word that names no subcommand is a checkpoint, so both spellings coexist."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
-            args = [DEPLOY, *args]
-        return super().parse_args(ctx, args)
-
-
 serve_app = typer.Typer(
-    cls=_DefaultDeploy,
+    cls=group_with_default(DEPLOY),
     help="Serve a model: replicas behind a router, with the Open Inference Protocol v2 API.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

@@ -1,0 +1,166 @@
+"""The coordinator: the one process that knows the plan. It hands shards to workers over the
+shared web stack (bearer token, validated JSON bodies) and commits their output.
+
+Routes (all POST bodies are JSON, all need the token):
+  GET  /v1/job        the transform every worker must run, and the lease length
+  POST /v1/claim      {"worker"} -> work (a shard and the file to write) | wait | stop
+  POST /v1/heartbeat  {"worker"}: renews the worker's leases
+  POST /v1/complete   {"worker", "attempt"} -> {"kept": true|false}
+  POST /v1/fail       {"worker", "attempt", "error"}
+  GET  /healthz, /metrics
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Annotated, Any
+
+from fastapi import FastAPI
+from prometheus_client import Counter, Gauge
+from pydantic import BaseModel, ConfigDict, Field
+
+from distml.data.preprocess.output import OutputDir, OutputError
+from distml.data.preprocess.queue import ShardQueue
+from distml.net import create_app
+
+WorkerId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\w.:@-]+$")]
+AttemptId = Annotated[str, Field(pattern=r"^\d+\.\d+$", max_length=40)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WorkerBody(_Body):
+    worker: WorkerId
+
+
+class AttemptBody(_Body):
+    worker: WorkerId
+    attempt: AttemptId
+
+
+class FailBody(AttemptBody):
+    error: Annotated[str, Field(max_length=4000)]
+
+
+class Coordinator:
+    """The queue and the output folder under one lock, as the routes (threads) use them."""
+
+    def __init__(self, queue: ShardQueue, output: OutputDir, transform: str):
+        self.queue = queue
+        self.output = output
+        self.transform = transform
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.started = time.monotonic()
+        self.workers: set[str] = set()
+
+    def claim(self, worker: str) -> dict[str, Any]:
+        with self.lock:
+            self.workers.add(worker)
+            attempt = self.queue.claim(worker)
+            if attempt is None:
+                if self.queue.error is not None or self.queue.finished:
+                    return {"action": "stop", "error": self.queue.error}
+                return {"action": "wait", "seconds": min(0.5, self.queue.lease_s / 4)}
+            shard = self.queue.shards[attempt.shard]
+            return {
+                "action": "work",
+                "attempt": attempt.id,
+                "shard": shard,
+                "output": str(self.output.tmp_path(attempt.id)),
+            }
+
+    def heartbeat(self, worker: str) -> None:
+        with self.lock:
+            self.queue.heartbeat(worker)
+
+    def complete(self, worker: str, attempt_id: str) -> bool:
+        with self.changed:
+            attempt = self.queue.running.get(attempt_id)
+            if attempt is not None and attempt.worker != worker:
+                return False  # not this worker's attempt: nothing to keep, nothing to delete
+            if attempt is None or not self.queue.complete(attempt_id):
+                self.output.discard(attempt_id)  # a copy that lost, or a lease that ran out
+                return False
+            try:
+                self.output.commit(
+                    attempt.shard, attempt_id, self.queue.done[attempt.shard], worker
+                )
+            except OutputError as exc:
+                self.queue.error = str(exc)  # the transform's fault: retrying will not help
+            self.changed.notify_all()
+            return True
+
+    def fail(self, worker: str, attempt_id: str, error: str) -> None:
+        with self.changed:
+            attempt = self.queue.running.get(attempt_id)
+            if attempt is not None and attempt.worker == worker:
+                self.queue.fail(attempt_id, error)
+                self.output.discard(attempt_id)
+            self.changed.notify_all()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until the job is finished or failed (True), or ``timeout`` passes (False);
+        expires the leases of dead workers meanwhile."""
+        with self.changed:
+            self.queue.expire()
+            if self.queue.finished or self.queue.error is not None:
+                return True
+            self.changed.wait(timeout)
+            self.queue.expire()
+            return self.queue.finished or self.queue.error is not None
+
+    def progress(self) -> dict[str, Any]:
+        with self.lock:
+            q = self.queue
+            return {
+                "shards": len(q.shards),
+                "done": len(q.done),
+                "running": len(q.running),
+                "pending": len(q.pending),
+                "workers": len(self.workers),
+                "error": q.error,
+            }
+
+
+def create_coordinator_app(coordinator: Coordinator, token: str) -> FastAPI:
+    app = create_app("distml preprocess coordinator", token, health=coordinator.progress)
+    registry = app.state.registry
+    shards_done = Gauge("distml_preprocess_shards_done", "shards committed", registry=registry)
+    attempts = Counter("distml_preprocess_attempts", "attempts handed out", registry=registry)
+    shards_done.set_function(lambda: len(coordinator.queue.done))
+
+    @app.get("/v1/job")
+    def job() -> dict[str, Any]:
+        return {
+            "transform": coordinator.transform,
+            "fingerprint": coordinator.output.job["fingerprint"],
+            "lease_s": coordinator.queue.lease_s,
+        }
+
+    # Plain (not async) handlers: FastAPI runs them in its thread pool, where the lock may block.
+    @app.post("/v1/claim")
+    def claim(body: WorkerBody) -> dict[str, Any]:
+        answer = coordinator.claim(body.worker)
+        if answer["action"] == "work":
+            attempts.inc()
+        return answer
+
+    @app.post("/v1/heartbeat")
+    def heartbeat(body: WorkerBody) -> dict[str, Any]:
+        coordinator.heartbeat(body.worker)
+        return {"ok": True}
+
+    @app.post("/v1/complete")
+    def complete(body: AttemptBody) -> dict[str, Any]:
+        return {"kept": coordinator.complete(body.worker, body.attempt)}
+
+    @app.post("/v1/fail")
+    def fail(body: FailBody) -> dict[str, Any]:
+        coordinator.fail(body.worker, body.attempt, body.error)
+        return {"ok": True}
+
+    return app
