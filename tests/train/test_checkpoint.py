@@ -15,7 +15,8 @@ from torch.utils.data import TensorDataset
 
 import distml
 from conftest import rel_err
-from distml.train.checkpoint import SafeFileSystemReader, param_norm
+from distml.train.checkpoint import param_norm
+from distml.train.safe_dcp import SafeFileSystemReader
 
 K = 13  # not a multiple of the 15 batches per epoch: the resume lands mid-epoch
 

@@ -1,14 +1,18 @@
 """Greedy generation with a GPT laid out over several processes (tensor or pipeline parallel),
 for a model too big for one device: every rank holds its share, and the tokens equal those of
-one process running the whole model.
+one process running the whole model. Several prompts, of any lengths, are generated in batches
+of prompts of one length (:func:`generate_batches`), the answers in input order.
 
 >>> text = generate_text("runs/gpt", "def ", max_new_tokens=16, nproc=2, mesh={"tp": 2})
+... # doctest: +SKIP
+>>> generate_tokens("runs/gpt", [[100, 101], [102]], 8, nproc=2, mesh={"pp": 2})
 ... # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,13 +56,58 @@ def load_gpt(weights: Path, cfg: GPTConfig) -> GPT:
     return model
 
 
+def check_prompts(prompts: list[list[int]], cfg: GPTConfig) -> None:
+    """Refuse prompts the model cannot read: none, an empty one, or a token outside the
+    vocabulary."""
+    if not prompts:
+        raise ConfigError("no prompts to generate from")
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ConfigError(f"prompt {i} is empty")
+        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ConfigError(
+                f"prompt {i}: token {bad[0]} is outside the vocabulary 0..{cfg.vocab_size - 1}"
+            )
+
+
+def generate_batches(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    seq_len: int,
+    batch_size: int | None = None,
+) -> list[list[int]]:
+    """Each prompt followed by its generated tokens, in input order. Prompts of one length are
+    generated together, ``batch_size`` at a time (default: all of them): the GPT has no padding
+    mask, and a padded prompt would not continue as it does alone."""
+    by_length: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(i)
+    out: list[list[int]] = [[] for _ in prompts]
+    for length in sorted(by_length):
+        rows = by_length[length]
+        step = batch_size or len(rows)
+        for start in range(0, len(rows), step):
+            chunk = rows[start : start + step]
+            batch = torch.tensor([prompts[i] for i in chunk])
+            tokens = generate(forward, batch, max_new_tokens, seq_len).tolist()
+            for i, row in zip(chunk, tokens, strict=True):
+                out[i] = row
+    return out
+
+
 def _generate_worker(
-    ctx: Context, weights: str, cfg: dict, prompt: list[list[int]], max_new_tokens: int
+    ctx: Context,
+    weights: str,
+    cfg: dict,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    batch_size: int | None,
 ) -> list[list[int]]:
     cfg_ = GPTConfig(**cfg)
-    model, _ = ctx.setup(load_gpt(Path(weights), cfg_), None)
-    tokens = generate(ctx.forward, torch.tensor(prompt), max_new_tokens, cfg_.seq_len)
-    return tokens.tolist()
+    ctx.setup(load_gpt(Path(weights), cfg_), None)
+    return generate_batches(ctx.forward, prompts, max_new_tokens, cfg_.seq_len, batch_size)
 
 
 def generate_tokens(
@@ -68,13 +117,16 @@ def generate_tokens(
     *,
     nproc: int = 1,
     mesh: dict[str, int] | None = None,
+    batch_size: int | None = None,
     **settings,
 ) -> list[list[int]]:
-    """Token ids of ``prompt`` (one list per sequence) followed by the generated ones."""
+    """Token ids of each prompt of ``prompt`` (one list per sequence, of any lengths) followed
+    by the generated ones; see :func:`generate_batches` for ``batch_size``."""
     weights, cfg = resolve_checkpoint(checkpoint)
+    check_prompts(prompt, cfg)
     if nproc == 1 and not mesh:
         model = load_gpt(weights, cfg).eval()
-        return generate(model, torch.tensor(prompt), max_new_tokens, cfg.seq_len).tolist()
+        return generate_batches(model, prompt, max_new_tokens, cfg.seq_len, batch_size)
     settings.setdefault("telemetry", {"progress": False})
     return launch(
         _generate_worker,
@@ -82,6 +134,7 @@ def generate_tokens(
         cfg.model_dump(),
         prompt,
         max_new_tokens,
+        batch_size,
         nproc=nproc,
         mesh=mesh,
         model=cfg.model_dump(),

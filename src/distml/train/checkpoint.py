@@ -7,71 +7,31 @@ non-tensor values (an optimizer's hyperparameters) with ``torch.load(weights_onl
 loading never runs code from the file. Each save goes to ``step_<N>/`` and becomes current only
 when complete (the ``latest`` file is replaced atomically afterwards), so a crash during a save
 leaves the previous checkpoint in force.
+
+Fine-tuning and batch inference start from a checkpoint's model weights alone
+(:func:`load_weights`): read whole into the plain model, whatever layout saved them, or from an
+exported safetensors file.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file, save_model
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file, save_model
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-_SAFE_TORCH_NAMES = {"Size", "device"} | {
-    name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)
-}
+from distml.config import ConfigError
 
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            module.startswith("torch.distributed.checkpoint.")
-            or (module == "torch" and name in _SAFE_TORCH_NAMES)
-            or (module == "torch.serialization" and name == "_get_layout")  # a name lookup
-            or (module == "pathlib" and name in {"PosixPath", "PurePosixPath"})
-            or (module == "collections" and name == "OrderedDict")
-            or (module == "builtins" and name in {"set", "frozenset", "slice"})
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}")
-        return super().find_class(module, name)
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """A DCP reader whose metadata load admits only DCP's own classes."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        path = Path(self.path) / ".metadata"
-        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner reads non-tensor items (an optimizer's lr, betas...) with
-    ``torch.load(weights_only=False)``; this one admits only plain data."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+# DCP (and the DTensor package it brings) is imported by the functions that touch a checkpoint:
+# half a second of every worker's start-up otherwise, for runs that never save one.
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -91,6 +51,9 @@ def save_checkpoint(
     keep: int = 2,
 ) -> Path:
     """Save on every rank (a collective); returns the new checkpoint's folder."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     root = Path(root)
     path = root / f"step_{step:08d}"
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -108,6 +71,8 @@ def save_checkpoint(
 
 def checkpoint_keys(path: Path) -> set[str]:
     """The flattened keys a checkpoint holds, e.g. ``extra.step``."""
+    from distml.train.safe_dcp import SafeFileSystemReader
+
     return set(SafeFileSystemReader(path).read_metadata().state_dict_metadata)
 
 
@@ -118,6 +83,11 @@ def load_checkpoint(
     extra: dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     """Load in place on every rank (a collective). ``extra`` names the tensors to read back."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from distml.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "extra": extra}
     dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
@@ -125,6 +95,100 @@ def load_checkpoint(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     return state["extra"]
+
+
+def resolve_weights(source: Path | str) -> Path:
+    """Where the weights of ``source`` are: a ``.safetensors`` file as it is; a DCP checkpoint
+    (a ``step_N/`` folder); a checkpoint folder's latest; a run folder's export
+    ``model.safetensors`` (the end of the run), else its latest checkpoint."""
+    path = Path(source)
+    if path.is_file() or (path / ".metadata").is_file():
+        return path
+    candidates = [
+        latest_checkpoint(path),
+        path / "model.safetensors" if (path / "model.safetensors").is_file() else None,
+        latest_checkpoint(path / "checkpoint"),
+    ]
+    for candidate in candidates:
+        if candidate is not None:
+            return candidate
+    raise ConfigError(
+        f"no weights at {path}: expected a .safetensors file, a checkpoint folder or a run folder"
+    )
+
+
+def _stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the model tensors stored at ``path``, read without the data."""
+    if path.is_file():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except (SafetensorError, OSError) as exc:
+            raise ConfigError(f"{path} is not a readable safetensors file: {exc}") from None
+    from distml.train.safe_dcp import SafeFileSystemReader
+
+    try:
+        items = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    except (OSError, pickle.UnpicklingError, EOFError) as exc:
+        raise ConfigError(f"{path} is not a readable checkpoint: {exc}") from None
+    return {
+        k.removeprefix("model."): tuple(v.size)
+        for k, v in items.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
+
+
+def check_weights(model: nn.Module, path: Path) -> None:
+    """Refuse, with the names, weights at ``path`` that do not fit ``model`` exactly."""
+    stored = _stored_shapes(path)
+    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(wanted.keys() - stored.keys())
+    unexpected = sorted(stored.keys() - wanted.keys())
+    shapes = [
+        f"{k} is {list(stored[k])} there, {list(wanted[k])} in the model"
+        for k in sorted(wanted.keys() & stored.keys())
+        if stored[k] != wanted[k]
+    ]
+    problems = [
+        *([f"missing {', '.join(missing[:5])}"] if missing else []),
+        *([f"unexpected {', '.join(unexpected[:5])}"] if unexpected else []),
+        *shapes[:5],
+    ]
+    if problems:
+        raise ConfigError(f"{path} does not fit a {type(model).__name__}: {'; '.join(problems)}")
+
+
+def load_weights(model: nn.Module, source: Path | str) -> Path:
+    """Load the weights of ``source`` (see :func:`resolve_weights`) into the plain ``model``,
+    whole on every rank, whatever layout saved them: DCP reads each saved shard into the full
+    tensors (resharding), and the optimizer, step and RNG states of a checkpoint are left
+    unread. Every rank calls it when ``source`` is a DCP checkpoint (a collective).
+    Returns the path read.
+
+    >>> load_weights(DigitsCNN(), "runs/digits/checkpoint")  # doctest: +SKIP
+    """
+    path = resolve_weights(source)
+    check_weights(model, path)
+    if path.is_file():
+        model.load_state_dict(load_file(str(path)), strict=True)
+        return path
+    import torch.distributed.checkpoint as dcp
+
+    from distml.train.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
+    state = {"model": model.state_dict()}
+    alone = not dist.is_initialized()  # one plain process reads it by itself
+    with warnings.catch_warnings():
+        if alone:  # DCP warns that this is what it assumes: here it is what is meant
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(path),
+            planner=SafeLoadPlanner(),
+            no_dist=alone,
+        )
+    model.load_state_dict(state["model"], strict=True)
+    return path
 
 
 def export_safetensors(model: nn.Module, path: Path) -> Path:
