@@ -237,44 +237,60 @@ def run(
 def demo(
     nproc: Annotated[int, typer.Option(help="Worker processes.")] = 2,
     epochs: Annotated[int, typer.Option(help="Passes over the training set.")] = 8,
+    finetune_epochs: Annotated[int, typer.Option(help="Passes of the fine-tune.")] = 8,
     run_name: RunName = None,
     runs_dir: RunsDir = None,
 ) -> None:
-    """Train a CNN on scikit-learn's digits with data parallelism, validate, checkpoint, report."""
-    from distml.cli.demo import run_demo
-
+    """The whole lifecycle on scikit-learn's digits: preprocess, train, fine-tune, validate,
+    batch inference, serve (2 replicas), report."""
     fields: dict[str, Any] = {"nproc": nproc}
     if run_name is not None:
         fields["run_name"] = run_name
     if runs_dir is not None:
         fields["runs_dir"] = runs_dir
-    if epochs < 1:
-        fail_usage(f"--epochs must be >= 1, got {epochs}")
+    for flag, value in (("--epochs", epochs), ("--finetune-epochs", finetune_epochs)):
+        if value < 1:
+            fail_usage(f"{flag} must be >= 1, got {value}")
     try:
         cfg = build_config(**fields)
     except ConfigError as exc:
         fail_usage(str(exc))
+    from distml.data.preprocess import PreprocessError
+    from distml.lifecycle import run_lifecycle
+
     try:
-        summary = run_demo(cfg, epochs=epochs)
-    except LaunchError as exc:
+        run_lifecycle(
+            cfg,
+            epochs=epochs,
+            finetune_epochs=finetune_epochs,
+            log=lambda line: err.print(line, highlight=False, markup=False, soft_wrap=True),
+        )
+    except (LaunchError, PreprocessError) as exc:
         report_failure("demo failed", exc)
         raise typer.Exit(1) from None
-    err.print(f"report: {summary['report']}", highlight=False)
 
 
+from distml.cli.finetune import finetune  # noqa: E402
 from distml.cli.fl import fl_app  # noqa: E402
 from distml.cli.generate import generate  # noqa: E402  (after the helpers they use)
+from distml.cli.infer import infer  # noqa: E402
 from distml.cli.plan import bench, plan, simulate  # noqa: E402
+from distml.cli.preprocess import preprocess_app  # noqa: E402
 from distml.cli.ps import ps_app  # noqa: E402
 from distml.cli.serve import serve_app  # noqa: E402
+from distml.cli.tune import tune_app  # noqa: E402
 
 app.command(name="plan")(plan)
 app.command(name="bench")(bench)
 app.command(name="simulate")(simulate)
 app.command(name="generate")(generate)
+app.command(name="finetune")(finetune)
+app.command(name="infer")(infer)
 app.add_typer(ps_app, name="ps")
 app.add_typer(fl_app, name="fl")
 app.add_typer(serve_app, name="serve")
+app.add_typer(preprocess_app, name="preprocess")
+app.add_typer(tune_app, name="tune")
 
 
 def main() -> None:

@@ -23,7 +23,13 @@ def digits(split: str = "train", val_fraction: float = 0.2, seed: int = 0) -> Te
     y = torch.tensor(bunch.target, dtype=torch.long)
     if split == "all":
         return TensorDataset(x, y)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    n_val = int(len(y) * val_fraction)
-    idx = order[: len(y) - n_val] if split == "train" else order[len(y) - n_val :]
+    idx = holdout_indices(len(y), split, val_fraction, seed)
     return TensorDataset(x[idx], y[idx])
+
+
+def holdout_indices(n: int, split: str, val_fraction: float = 0.2, seed: int = 0) -> torch.Tensor:
+    """The indices of ``split`` ("train" or "val") among ``n`` samples: one permutation from
+    ``seed``, its last ``val_fraction`` held out."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_val = int(n * val_fraction)
+    return order[: n - n_val] if split == "train" else order[n - n_val :]

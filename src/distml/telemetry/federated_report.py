@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from distml.telemetry.report import _CSS, _esc, _figure, _png, _table
+from distml.telemetry.report import _figure, _png, _table, write_html
 
 _SUMMARY = (
     "strategy", "clients", "partition", "rounds", "accuracy", "loss", "epsilon", "failed_rounds",
@@ -57,12 +57,4 @@ def write_federated_report(out_dir: Path, history: list[dict[str, Any]], summary
         "<h2>Rounds</h2>",
         _table(list(_ROUND_COLUMNS), [[h.get(c) for c in _ROUND_COLUMNS] for h in history]),
     ]
-    doc = (
-        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>{_esc('federated run')}</title><style>{_CSS}</style></head>\n<body>\n"
-        + "\n".join(parts)
-        + "\n</body></html>\n"
-    )
-    path = out_dir / "report.html"
-    path.write_text(doc, encoding="utf-8")
-    return path
+    return write_html(out_dir / "report.html", "federated run", parts)

@@ -237,12 +237,16 @@ def write_report(run_dir: Path, per_rank: Records, summary: dict[str, Any]) -> P
     plots = _plots(per_rank, summary)
     parts.append("<h2>Plots</h2>")
     parts.extend(plots or ["<p>No steps were recorded.</p>"])
+    return write_html(run_dir / "report.html", name, parts)
+
+
+def write_html(path: Path, title: str, parts: list[str]) -> Path:
+    """One self-contained HTML page: ``parts`` (HTML fragments) under ``title``."""
     doc = (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-        f"<title>{_esc(name)}</title><style>{_CSS}</style></head>\n<body>\n"
+        f"<title>{_esc(title)}</title><style>{_CSS}</style></head>\n<body>\n"
         + "\n".join(parts)
         + "\n</body></html>\n"
     )
-    path = run_dir / "report.html"
     path.write_text(doc, encoding="utf-8")
     return path
