@@ -1,6 +1,6 @@
 """Distributed preprocessing: 2 workers vs 1 on a CPU-bound transform, against Dask, same run.
 
-    python benchmarks/preprocess.py                  # 200,000 rows, 3 repeats
+    python benchmarks/preprocess.py                  # 1,000,000 rows, 3 repeats
     python benchmarks/preprocess.py --rows 50000 --repeats 1
 
 The job: a CSV of short texts cut into 16 shards, each feature-hashed (pure Python: the
@@ -80,7 +80,7 @@ def read_parts(out: Path, shards: int) -> pa.Table:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--shards", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()

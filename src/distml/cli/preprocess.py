@@ -164,7 +164,9 @@ def run(
 def worker(
     coordinator: Annotated[str, typer.Option(help="The coordinator's URL.")],
     transform: Transform,
-    worker_id: Annotated[str | None, typer.Option(help="Default: host-pid.")] = None,
+    worker_id: Annotated[
+        str | None, typer.Option(help="Default: the host name; the process ID is appended.")
+    ] = None,
     ca_cert: Annotated[str | None, typer.Option(help="CA bundle for https.")] = None,
 ) -> None:
     """Work for a coordinator until its job is done (token from DISTML_TOKEN)."""

@@ -1,22 +1,42 @@
 """The web plumbing every distml service shares: bearer-token auth, payload limits, health,
-Prometheus metrics, tensors as safetensors bytes, and a client that retries with back-off."""
+Prometheus metrics, tensors as safetensors bytes, and a client that retries with back-off.
 
-from distml.net.client import ServiceClient, ServiceError
-from distml.net.service import (
-    TOKEN_ENV,
-    BackgroundServer,
-    create_app,
-    read_body,
-    serve,
-    token_from_env,
-)
-from distml.net.tensors import TensorPayloadError, decode_tensors, encode_tensors
+Names are imported on first use (PEP 562): a client (a preprocessing worker) needs neither the
+server side (FastAPI) nor the tensor payloads (torch).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from distml._lazy import lazy_getattr
+
+if TYPE_CHECKING:
+    from distml.net.client import ServiceClient, ServiceError
+    from distml.net.service import BackgroundServer, create_app, read_body, serve
+    from distml.net.tensors import TensorPayloadError, decode_tensors, encode_tensors
+    from distml.net.token import TOKEN_ENV, token_from_env
+
+_WHERE = {
+    "ServiceClient": "distml.net.client",
+    "ServiceError": "distml.net.client",
+    "BackgroundServer": "distml.net.service",
+    "create_app": "distml.net.service",
+    "read_body": "distml.net.service",
+    "serve": "distml.net.service",
+    "TensorPayloadError": "distml.net.tensors",
+    "decode_tensors": "distml.net.tensors",
+    "encode_tensors": "distml.net.tensors",
+    "TOKEN_ENV": "distml.net.token",
+    "token_from_env": "distml.net.token",
+}
+__getattr__ = lazy_getattr("distml.net", {name: f"{m}:{name}" for name, m in _WHERE.items()})
 
 __all__ = [
-    "TOKEN_ENV",
     "BackgroundServer",
     "ServiceClient",
     "ServiceError",
+    "TOKEN_ENV",
     "TensorPayloadError",
     "create_app",
     "decode_tensors",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -19,19 +18,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.responses import Response
 
-TOKEN_ENV = "DISTML_TOKEN"
 DEFAULT_MAX_BODY = 256 * 2**20
 
 Health = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
-
-
-def token_from_env(env: str = TOKEN_ENV) -> str:
-    """The service token from the environment (never from the command line, where ``ps`` shows
-    it to every user of the machine)."""
-    token = os.environ.get(env, "")
-    if len(token) < 16:
-        raise ValueError(f"set {env} to a token of at least 16 characters")
-    return token
 
 
 def _digest(token: str) -> bytes:

@@ -313,15 +313,15 @@ class Context:
         return value
 
     def _layout_step(self, batch: Any, loss: Loss | None, compute_loss: Callable | None) -> float:
-        """A step under a model-parallel layout: its activations tracked, its model state
-        counted before the gradients are dropped, and -- on the steps
-        ``telemetry.comm_sample_every`` picks (and steps 0 and 1) -- every collective
-        intercepted as it happens.
+        """A step under a model-parallel layout. On the steps ``telemetry.comm_sample_every``
+        picks (and steps 0 and 1) every collective is intercepted as it happens, the saved
+        activations are tracked and the model state is counted before the gradients go.
 
         Intercepting means a Python dispatch mode that sees every operator (about a third of a
         small model's step on the CPU), so it samples: a fixed layout and batch shape move the
-        same bytes every step, and the steps between samples repeat the last sample's bytes
-        and its share of the step spent blocked in communication (``comm_measured: false``).
+        same bytes and hold the same memory every step, and the steps between samples repeat
+        the last sample's bytes, memory and share of the step spent blocked in communication
+        (``comm_measured: false``).
         """
         rec = self.recorder
         rec.begin_step()
@@ -331,8 +331,11 @@ class Context:
         every = self.config.telemetry.comm_sample_every
         sampled = self.step < 2 or self.step % every == 0 or self._comm_sample is None
         comm = CommAccounting(rec.add_comm) if sampled else nullcontext()
+        # Saved-tensor hooks on every activation cost as much as a few percent of a step: the
+        # activations' peak is measured on the sampled steps too, and repeated in between.
+        activations = self._activations if sampled else nullcontext()
         self._activations.reset()
-        with comm, self._activations:
+        with comm, activations:
             value = strategy.forward_backward(batch, loss, compute_loss, self._autocast, _split)
             backward_done = time.perf_counter()
             self.optimizer.step()
@@ -342,12 +345,11 @@ class Context:
             rec.repeat_comm(self._comm_sample, backward_done)
         # Model state changes size only when the optimizer creates its state: count it when
         # sampling (iterating every shard costs a few ms), repeat it in between.
-        memory = (
-            model_state_bytes(self.model, self.optimizer)
-            if sampled
-            else dict(self._comm_sample.memory_bytes)
-        )
-        memory["activations"] = self._activations.peak_bytes
+        if sampled:
+            memory = model_state_bytes(self.model, self.optimizer)
+            memory["activations"] = self._activations.peak_bytes
+        else:
+            memory = dict(self._comm_sample.memory_bytes)
         self.optimizer.zero_grad(set_to_none=True)
         pipeline = (strategy.busy_s, strategy.span_s) if strategy.stages else None
         total = _batch_len(batch)

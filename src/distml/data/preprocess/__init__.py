@@ -3,19 +3,50 @@ which transform each into a Parquet file; the training data loader streams the r
 
 See :func:`preprocess` (the job), :mod:`.sources` (files, CSV, Parquet, SQL), :mod:`.queue`
 (leases, retries, speculation) and :class:`PreprocessedShards` (reading it back).
+
+Names are imported on first use (PEP 562): a worker process, which imports :mod:`.worker`,
+needs neither the coordinator's web server nor the job's supervisor.
 """
 
-from distml.data.preprocess.job import PreprocessError, PreprocessResult, preprocess
-from distml.data.preprocess.output import OutputError
-from distml.data.preprocess.reader import PreprocessedShards, read_manifest, read_table
-from distml.data.preprocess.sources import (
-    CsvSource,
-    FilesSource,
-    ParquetSource,
-    SourceError,
-    SqlSource,
-    plan,
-    read_shard,
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from distml._lazy import lazy_getattr
+
+if TYPE_CHECKING:
+    from distml.data.preprocess.job import PreprocessError, PreprocessResult, preprocess
+    from distml.data.preprocess.output import OutputError
+    from distml.data.preprocess.reader import PreprocessedShards, read_manifest, read_table
+    from distml.data.preprocess.sources import (
+        CsvSource,
+        FilesSource,
+        ParquetSource,
+        SourceError,
+        SqlSource,
+        plan,
+        read_shard,
+    )
+
+_WHERE = {
+    "PreprocessError": "job",
+    "PreprocessResult": "job",
+    "preprocess": "job",
+    "OutputError": "output",
+    "PreprocessedShards": "reader",
+    "read_manifest": "reader",
+    "read_table": "reader",
+    "CsvSource": "sources",
+    "FilesSource": "sources",
+    "ParquetSource": "sources",
+    "SourceError": "sources",
+    "SqlSource": "sources",
+    "plan": "sources",
+    "read_shard": "sources",
+}
+__getattr__ = lazy_getattr(
+    "distml.data.preprocess",
+    {name: f"distml.data.preprocess.{m}:{name}" for name, m in _WHERE.items()},
 )
 
 __all__ = [

@@ -28,7 +28,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from distml.data.preprocess.sources import read_shard
-from distml.net import ServiceClient, ServiceError, token_from_env
+from distml.net.client import ServiceClient, ServiceError
+from distml.net.token import token_from_env
 
 Transform = Callable[[pa.Table], Any]
 
@@ -85,9 +86,12 @@ def run_worker(
     worker_id: str | None = None,
     verify: bool | str = True,
 ) -> int:
-    """Work until the coordinator says stop; returns the number of shards this worker kept."""
+    """Work until the coordinator says stop; returns the number of shards this worker kept.
+    The coordinator knows it as ``worker_id`` (default: the host name) and its process ID."""
     fn = load_transform(transform)
-    worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    # One name per process: a worker restarted under the same ID must not renew, with its
+    # heartbeats, the leases of the process that died, or their shards would never return.
+    worker_id = f"{worker_id or socket.gethostname()}-{os.getpid()}"
     client = ServiceClient(url, token, verify=verify)
     job = client.request("GET", "/v1/job").json()
     if job["transform"] != transform:
