@@ -1,0 +1,181 @@
+"""The planner's predictions against what distml measures, same run, same machine.
+
+    python benchmarks/plan_accuracy.py [--steps 8] [--repeats 3] [--layouts ddp4,fsdp4,...]
+
+First ``distml bench``'s measurement runs in a world of 4 workers (matmul FLOP/s per worker
+while all 4 compute, all-reduce bus bandwidth, latency) and becomes the cluster the cost model
+reads. Then, for each layout of ``benchmarks/model_parallel.py`` (the same GPT, batch and
+micro-batches, fp32, AdamW), :func:`distml.plan.cost_model.predict` gives the step time and
+the memory per device, and a world of 4 workers trains the layout through ``ctx.setup`` and
+measures them: the median step over ``--repeats`` blocks of ``--steps`` steps, and the largest
+rank's model state and activation peak from its summary. The table prints both, with the
+error of the prediction. Goals: step time within 15%, memory within 10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine_info, median, print_table, scratch_dir, write_json  # noqa: E402
+from model_parallel import GLOBAL_BATCH, LAYOUTS, MICROBATCHES, MODEL, build_distml, timed  # noqa: E402
+
+import distml  # noqa: E402
+from distml.models import GPT  # noqa: E402
+from distml.plan.bench import measure  # noqa: E402
+from distml.plan.cost_model import Cluster, Device, Layout, ModelSpec, Training, predict  # noqa: E402
+
+DEFAULT_LAYOUTS = "ddp4,fsdp4,tp4,pp4,fsdp2xtp2,dp2xpp2"
+
+
+def cost_layout(mesh: dict[str, int], par: dict) -> Layout:
+    """The planner's name for a distml mesh: FSDP over d ranks is ZeRO-3 over dp = d (ZeRO-2
+    when parameters stay gathered after the forward pass)."""
+    fsdp, dp = mesh.get("fsdp", 1), mesh.get("dp", 1)
+    zero = 0 if fsdp == 1 else (2 if par.get("reshard_after_forward") is False else 3)
+    return Layout(dp=dp * fsdp, tp=mesh.get("tp", 1), pp=mesh.get("pp", 1), zero=zero)
+
+
+def cost_training(layout: Layout, par: dict) -> Training:
+    per_replica = GLOBAL_BATCH // layout.dp
+    micro = per_replica // MICROBATCHES if layout.pp > 1 else per_replica
+    recompute = par.get("activation_checkpointing", "none")
+    return Training(GLOBAL_BATCH, micro, "fp32", "adam", recompute)
+
+
+def cluster_of(result: dict) -> Cluster:
+    dev = result["device"]
+    device = Device(
+        dev["name"],
+        dev["memory_bytes"],
+        dev["peak_flops"],
+        dev["intra_bw"],
+        dev["inter_bw"],
+        dev["latency_s"],
+        dev["power_w"],
+    )
+    return Cluster(device, result["devices"], result["devices_per_node"])
+
+
+def worker(ctx: distml.Context, steps: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(ctx.data_rank)
+    batch_size = GLOBAL_BATCH // ctx.data_world
+    batch = (torch.randint(0, MODEL.vocab_size, (batch_size, MODEL.seq_len), generator=g),) * 2
+    step = build_distml(ctx)
+    timed(step, batch, 2)  # warm-up: shape inference, lazy FSDP initialisation
+    seconds = [timed(step, batch, steps) / steps for _ in range(repeats)]
+    summary = ctx.finish()
+    return {"step_s": seconds, "memory": summary.get("memory_per_rank", [])}
+
+
+def error(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per block")
+    parser.add_argument("--repeats", type=int, default=3, help="timed blocks per layout")
+    parser.add_argument("--layouts", default=DEFAULT_LAYOUTS)
+    args = parser.parse_args()
+    n_params = sum(p.numel() for p in GPT(MODEL).parameters())
+    model = ModelSpec(
+        MODEL.layers, MODEL.hidden, MODEL.heads, MODEL.seq_len, MODEL.vocab_size, n_params
+    )
+    results: dict[str, dict] = {}
+    with scratch_dir("distml-bench-plan-") as runs:
+        bench = distml.launch(
+            lambda ctx: measure(),
+            nproc=4,
+            runs_dir=runs,
+            run_name="bench",
+            telemetry={"progress": False},
+        )
+        cluster = cluster_of(bench)
+        print(f"cluster: {bench['device']}", flush=True)
+        for name in args.layouts.split(","):
+            mesh, par = LAYOUTS[name]
+            layout = cost_layout(mesh, par)
+            pred = predict(model, cluster, cost_training(layout, par), layout)
+            out = distml.launch(
+                worker,
+                args.steps,
+                args.repeats,
+                nproc=4,
+                mesh=mesh,
+                parallel={"microbatches": MICROBATCHES, **par},
+                runs_dir=runs,
+                run_name=name,
+                telemetry={"progress": False},
+                timeout_s=600,
+            )
+            mem = out["memory"]
+            state = max((m["params"] + m["grads"] + m["optimizer"] for m in mem), default=None)
+            acts = max((m["activations"] for m in mem), default=None)
+            pred_state = sum(pred.memory_bytes[k] for k in ("params", "grads", "optimizer"))
+            results[name] = {
+                "layout": vars(layout),
+                "predicted": {
+                    "step_s": pred.step_time_s,
+                    "compute_s": pred.compute_s,
+                    "comm_exposed_s": pred.comm_exposed_s,
+                    "bubble": pred.bubble_fraction,
+                    "state_bytes": pred_state,
+                    "activation_bytes": pred.memory_bytes["activations"],
+                },
+                "measured": {"step_s": median(out["step_s"]), "steps_s": out["step_s"]},
+            }
+            if state is not None:
+                results[name]["measured"].update(state_bytes=state, activation_bytes=acts)
+            print(
+                f"{name}: step predicted {pred.step_time_s * 1e3:.1f} ms, measured "
+                f"{median(out['step_s']) * 1e3:.1f} ms",
+                flush=True,
+            )
+    rows = []
+    for name, res in results.items():
+        p, m = res["predicted"], res["measured"]
+        row = [
+            name,
+            f"{p['step_s'] * 1e3:.1f}",
+            f"{m['step_s'] * 1e3:.1f}",
+            f"{error(p['step_s'], m['step_s']):+.0%}",
+        ]
+        for key in ("state_bytes", "activation_bytes"):
+            if key in m:
+                row += [
+                    f"{p[key] / 2**20:.2f}",
+                    f"{m[key] / 2**20:.2f}",
+                    f"{error(p[key], m[key]):+.0%}",
+                ]
+            else:  # DDP keeps no per-rank memory accounting
+                row += ["-", "-", "-"]
+        rows.append(row)
+    print_table(
+        "Planner vs measured, GPT "
+        f"{MODEL.layers}x{MODEL.hidden}, global batch {GLOBAL_BATCH}, 4 processes",
+        [
+            "layout",
+            "step ms (pred)",
+            "step ms (meas)",
+            "error",
+            "state MiB (pred)",
+            "state MiB (meas)",
+            "error",
+            "act MiB (pred)",
+            "act MiB (meas)",
+            "error",
+        ],
+        rows,
+    )
+    out = {"machine": machine_info(), "args": vars(args), "cluster": bench, "layouts": results}
+    print(f"results: {write_json('plan_accuracy', out)}")
+
+
+if __name__ == "__main__":
+    main()
