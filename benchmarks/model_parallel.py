@@ -174,6 +174,22 @@ def worker(ctx: distml.Context, par: dict, steps: int, repeats: int) -> dict:
     }
 
 
+def launch_layout(name: str, runs: Path, fn, *args) -> dict:
+    """``fn(ctx, *args)`` in a world of 4 workers laid out as ``LAYOUTS[name]``."""
+    mesh, par = LAYOUTS[name]
+    return distml.launch(
+        fn,
+        *args,
+        nproc=4,
+        mesh=mesh,
+        parallel={"microbatches": MICROBATCHES, **par},
+        runs_dir=runs,
+        run_name=name,
+        telemetry={"progress": False},
+        timeout_s=600,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="timed steps per block")
@@ -184,19 +200,7 @@ def main() -> None:
     with scratch_dir("distml-bench-mp-") as runs:
         for name in args.layouts.split(","):
             mesh, par = LAYOUTS[name]
-            out = distml.launch(
-                worker,
-                par,
-                args.steps,
-                args.repeats,
-                nproc=4,
-                mesh=mesh,
-                parallel={"microbatches": MICROBATCHES, **par},
-                runs_dir=runs,
-                run_name=name,
-                telemetry={"progress": False},
-                timeout_s=600,
-            )
+            out = launch_layout(name, runs, worker, par, args.steps, args.repeats)
             rate = {
                 side: [GLOBAL_BATCH * args.steps / t for t in ts]
                 for side, ts in out["times"].items()

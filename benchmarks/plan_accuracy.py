@@ -22,7 +22,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, median, print_table, scratch_dir, write_json  # noqa: E402
-from model_parallel import GLOBAL_BATCH, LAYOUTS, MICROBATCHES, MODEL, build_distml, timed  # noqa: E402
+from model_parallel import (  # noqa: E402
+    GLOBAL_BATCH,
+    LAYOUTS,
+    MICROBATCHES,
+    MODEL,
+    build_distml,
+    launch_layout,
+    timed,
+)
 
 import distml  # noqa: E402
 from distml.models import GPT  # noqa: E402
@@ -102,18 +110,7 @@ def main() -> None:
             mesh, par = LAYOUTS[name]
             layout = cost_layout(mesh, par)
             pred = predict(model, cluster, cost_training(layout, par), layout)
-            out = distml.launch(
-                worker,
-                args.steps,
-                args.repeats,
-                nproc=4,
-                mesh=mesh,
-                parallel={"microbatches": MICROBATCHES, **par},
-                runs_dir=runs,
-                run_name=name,
-                telemetry={"progress": False},
-                timeout_s=600,
-            )
+            out = launch_layout(name, runs, worker, args.steps, args.repeats)
             mem = out["memory"]
             state = max((m["params"] + m["grads"] + m["optimizer"] for m in mem), default=None)
             acts = max((m["activations"] for m in mem), default=None)
