@@ -34,39 +34,11 @@ from model_parallel import (  # noqa: E402
 
 import distml  # noqa: E402
 from distml.models import GPT  # noqa: E402
-from distml.plan.bench import measure  # noqa: E402
-from distml.plan.cost_model import Cluster, Device, Layout, ModelSpec, Training, predict  # noqa: E402
+from distml.plan.auto import layout_of, model_spec, training_for  # noqa: E402
+from distml.plan.bench import cluster_from_dict, measure  # noqa: E402
+from distml.plan.cost_model import predict  # noqa: E402
 
 DEFAULT_LAYOUTS = "ddp4,fsdp4,tp4,pp4,fsdp2xtp2,dp2xpp2"
-
-
-def cost_layout(mesh: dict[str, int], par: dict) -> Layout:
-    """The planner's name for a distml mesh: FSDP over d ranks is ZeRO-3 over dp = d (ZeRO-2
-    when parameters stay gathered after the forward pass)."""
-    fsdp, dp = mesh.get("fsdp", 1), mesh.get("dp", 1)
-    zero = 0 if fsdp == 1 else (2 if par.get("reshard_after_forward") is False else 3)
-    return Layout(dp=dp * fsdp, tp=mesh.get("tp", 1), pp=mesh.get("pp", 1), zero=zero)
-
-
-def cost_training(layout: Layout, par: dict) -> Training:
-    per_replica = GLOBAL_BATCH // layout.dp
-    micro = per_replica // MICROBATCHES if layout.pp > 1 else per_replica
-    recompute = par.get("activation_checkpointing", "none")
-    return Training(GLOBAL_BATCH, micro, "fp32", "adam", recompute)
-
-
-def cluster_of(result: dict) -> Cluster:
-    dev = result["device"]
-    device = Device(
-        dev["name"],
-        dev["memory_bytes"],
-        dev["peak_flops"],
-        dev["intra_bw"],
-        dev["inter_bw"],
-        dev["latency_s"],
-        dev["power_w"],
-    )
-    return Cluster(device, result["devices"], result["devices_per_node"])
 
 
 def worker(ctx: distml.Context, steps: int, repeats: int) -> dict:
@@ -92,9 +64,7 @@ def main() -> None:
     parser.add_argument("--layouts", default=DEFAULT_LAYOUTS)
     args = parser.parse_args()
     n_params = sum(p.numel() for p in GPT(MODEL).parameters())
-    model = ModelSpec(
-        MODEL.layers, MODEL.hidden, MODEL.heads, MODEL.seq_len, MODEL.vocab_size, n_params
-    )
+    model = model_spec(MODEL, n_params)
     results: dict[str, dict] = {}
     with scratch_dir("distml-bench-plan-") as runs:
         bench = distml.launch(
@@ -104,12 +74,14 @@ def main() -> None:
             run_name="bench",
             telemetry={"progress": False},
         )
-        cluster = cluster_of(bench)
+        cluster = cluster_from_dict(bench)
         print(f"cluster: {bench['device']}", flush=True)
         for name in args.layouts.split(","):
             mesh, par = LAYOUTS[name]
-            layout = cost_layout(mesh, par)
-            pred = predict(model, cluster, cost_training(layout, par), layout)
+            layout = layout_of(mesh, par)
+            recompute = par.get("activation_checkpointing", "none")
+            training = training_for(layout, GLOBAL_BATCH, MICROBATCHES, "fp32", recompute)
+            pred = predict(model, cluster, training, layout)
             out = launch_layout(name, runs, worker, args.steps, args.repeats)
             mem = out["memory"]
             state = max((m["params"] + m["grads"] + m["optimizer"] for m in mem), default=None)

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from distml.config import (
     ConfigError,
+    RunConfig,
     build_config,
     load_config,
     parse_consistency,
@@ -141,7 +142,11 @@ def run(
     run_name: RunName = None,
     runs_dir: RunsDir = None,
     strategy: Annotated[
-        str | None, typer.Option(help="ddp[:compression=fp16|bf16|powersgd,grad_accum=K,...]")
+        str | None,
+        typer.Option(
+            help="ddp[:compression=fp16|bf16|powersgd,grad_accum=K,...], local-sgd:H, ps, or "
+            "auto (the planner picks the mesh; see --cluster)."
+        ),
     ] = None,
     mesh: Annotated[
         str | None, typer.Option(help="Device mesh: dp=N, or e.g. dp=2,fsdp=1,tp=2,pp=2.")
@@ -179,11 +184,22 @@ def run(
     ps_servers: Annotated[
         str | None, typer.Option(help="--strategy ps: URLs of running shards, comma-separated.")
     ] = None,
+    cluster: Annotated[
+        Path, typer.Option(help="--strategy auto: the cluster file `distml bench` wrote.")
+    ] = Path("cluster.toml"),
+    plan_batch: Annotated[
+        int, typer.Option(min=1, help="--strategy auto: the global batch the script trains with.")
+    ] = 16,
     config: Annotated[Path | None, typer.Option("--config", help="A TOML run config.")] = None,
     module: Annotated[bool, typer.Option("-m", "--module", help="SCRIPT is a module.")] = False,
 ) -> None:
     """Run SCRIPT [ARGS...] in worker processes, as torchrun would, with restarts and telemetry."""
     ps: dict[str, Any] = {}
+    auto = strategy == "auto"
+    if auto:
+        if mesh is not None:
+            fail_usage("--strategy auto chooses the mesh: give --mesh or --strategy auto, not both")
+        strategy = None
     try:
         if consistency is not None:
             ps.update(parse_consistency(consistency))
@@ -213,6 +229,28 @@ def run(
             model=model,
             ps=ps,
         )
+        if auto:
+            mesh, parallel = _planned_layout(cfg, cluster, plan_batch, parallel)
+            cfg = resolve_run_config(
+                config_file=config,
+                nproc=nproc,
+                nnodes=nnodes,
+                node_rank=node_rank,
+                rdzv_endpoint=rdzv_endpoint,
+                max_restarts=max_restarts,
+                run_name=cfg.run_name,
+                runs_dir=runs_dir,
+                strategy=strategy,
+                mesh=mesh,
+                timeout=timeout,
+                seed=seed,
+                simulate_straggler=simulate_straggler,
+                schedule=schedule,
+                microbatches=microbatches,
+                parallel=parallel,
+                model=model,
+                ps=ps,
+            )
     except ConfigError as exc:
         fail_usage(str(exc))
     if ps and cfg.strategy.name != "ps":
@@ -231,6 +269,52 @@ def run(
         report_failure("distml run failed", exc)
         raise typer.Exit(1) from None
     err.print(f"run folder: {cfg.run_dir}", highlight=False)
+
+
+def _planned_layout(
+    cfg: RunConfig, cluster_file: Path, global_batch: int, parallel: str | None
+) -> tuple[str, str | None]:
+    """``--strategy auto``: the mesh (and layout options) the cost model predicts fastest for
+    this world on the cluster ``distml bench`` measured, as ``--mesh`` and ``--parallel``."""
+    from distml.config import GPTConfig
+    from distml.plan.auto import choose_layout, gpt_params, size
+    from distml.plan.bench import read_cluster_file
+    from distml.plan.cost_model import Cluster
+
+    if not cluster_file.is_file():
+        raise ConfigError(
+            f"--strategy auto needs a cluster file and {cluster_file} does not exist: write one "
+            f"with `distml bench --nproc {cfg.nproc} --out {cluster_file}`"
+        )
+    try:
+        measured = read_cluster_file(cluster_file)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.min_nodes != cfg.max_nodes:
+        raise ConfigError("--strategy auto plans a fixed world: give --nnodes N, not a range")
+    world = cfg.nproc * cfg.max_nodes
+    local = Cluster(measured.device, world, cfg.nproc)
+    model = cfg.model or GPTConfig()
+    choice = choose_layout(
+        model,
+        local,
+        global_batch=global_batch,
+        microbatches=cfg.parallel.microbatches,
+        precision=cfg.strategy.mixed_precision,
+        n_params=gpt_params(model),
+    )
+    mesh = ",".join(f"{k}={v}" for k, v in choice.mesh.items())
+    options = ",".join(f"{k}={str(v).lower()}" for k, v in choice.parallel.items())
+    best = choice.prediction
+    err.print(
+        f"--strategy auto: --mesh {mesh}{' --parallel ' + options if options else ''} "
+        f"(predicted {best.step_time_s * 1e3:.1f} ms a step, "
+        f"{size(best.memory_bytes['total'])} a device; best of "
+        f"{len(choice.ranked)} layouts that fit, {len(choice.too_big)} too big)",
+        highlight=False,
+    )
+    joined = ",".join(x for x in (parallel, options) if x)
+    return mesh, joined or None
 
 
 @app.command()

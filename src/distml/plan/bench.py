@@ -32,18 +32,28 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def matmul_flops(device: torch.device, n: int = 1024, repeats: int = 5) -> float:
-    """Dense matmul FLOP/s of one worker (bf16 on GPU, fp32 on CPU)."""
+def matmul_flops(
+    device: torch.device, n: int = 1024, repeats: int = 5, per_block: int = 4
+) -> float:
+    """Dense matmul FLOP/s of one worker while every worker of the world computes too (bf16 on
+    GPU, fp32 on CPU): workers that share a machine's cores share its FLOP/s, so each block of
+    ``per_block`` products starts and ends at a barrier. Median over ``repeats`` blocks."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
+    together = dist.is_initialized()
 
-    def step() -> None:
-        torch.mm(a, b)
+    def block() -> None:
+        if together:
+            dist.barrier()
+        for _ in range(per_block):
+            torch.mm(a, b)
         if device.type == "cuda":
             torch.cuda.synchronize()
+        if together:
+            dist.barrier()
 
-    return 2 * n**3 / _timed(step, repeats)
+    return 2 * n**3 * per_block / _timed(block, repeats)
 
 
 def network(device: torch.device, sizes_mb=(1, 4, 16), repeats: int = 5) -> dict[str, float]:
@@ -112,20 +122,24 @@ def write_cluster_file(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def cluster_from_dict(data: dict[str, Any]) -> Cluster:
+    """A Cluster from what :func:`measure` returns (a cluster file's contents)."""
+    dev = data["device"]
+    device = Device(
+        str(dev["name"]),
+        float(dev["memory_bytes"]),
+        float(dev["peak_flops"]),
+        float(dev["intra_bw"]),
+        float(dev["inter_bw"]),
+        float(dev["latency_s"]),
+        float(dev["power_w"]),
+    )
+    return Cluster(device, int(data["devices"]), int(data.get("devices_per_node", 8)))
+
+
 def read_cluster_file(path: Path) -> Cluster:
     """A Cluster from a file written by ``distml bench`` (or by hand, in the same shape)."""
     try:
-        data = tomllib.loads(Path(path).read_text())
-        dev = data["device"]
-        device = Device(
-            str(dev["name"]),
-            float(dev["memory_bytes"]),
-            float(dev["peak_flops"]),
-            float(dev["intra_bw"]),
-            float(dev["inter_bw"]),
-            float(dev["latency_s"]),
-            float(dev["power_w"]),
-        )
-        return Cluster(device, int(data["devices"]), int(data.get("devices_per_node", 8)))
+        return cluster_from_dict(tomllib.loads(Path(path).read_text()))
     except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"cluster file {path}: {exc!r}") from None

@@ -142,7 +142,8 @@ def test_a_shard_that_always_fails_stops_the_job_and_a_rerun_finishes_it(
     ids = read_table_ids(csv)
     monkeypatch.setenv("PP_ALWAYS_FAIL_AT", str(ids[3]))
     with pytest.raises(
-        PreprocessError, match=rf"shard 3 failed on local-\d-\d+: ValueError: row {ids[3]} is corrupt"
+        PreprocessError,
+        match=rf"shard 3 failed on local-\d-\d+: ValueError: row {ids[3]} is corrupt",
     ) as e:
         preprocess(small(csv), FAULTY, tmp_path / "out", workers=2, max_attempts=2)
     assert "rerun the same job" in str(e.value)

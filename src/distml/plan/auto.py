@@ -1,0 +1,126 @@
+"""``distml run --strategy auto``: the cost model picks the layout of the world about to start.
+
+distml's meshes and the planner's layouts name the same things differently: a mesh's ``fsdp``
+degree is ZeRO-3 data parallelism (ZeRO-2 with ``reshard_after_forward=false``), its ``dp``
+plain replication (ZeRO-0). distml has no ZeRO-1, so the search leaves it out.
+
+>>> choice = choose_layout(GPTConfig(), cluster, global_batch=16, microbatches=8)  # doctest: +SKIP
+>>> choice.mesh, choice.parallel                                                  # doctest: +SKIP
+({'dp': 2}, {})
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from distml.config import ConfigError, GPTConfig
+from distml.plan.cost_model import Cluster, Layout, ModelSpec, Prediction, Training, predict
+from distml.plan.search import divisors
+
+ZERO_STAGES = (0, 2, 3)  # the ones a distml mesh can express
+
+
+def size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def gpt_params(cfg: GPTConfig) -> int:
+    """The exact parameter count of ``distml.models.GPT(cfg)``, built on the meta device (no
+    memory, whatever its size)."""
+    import torch
+
+    from distml.models import GPT
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def model_spec(cfg: GPTConfig, n_params: float | None = None) -> ModelSpec:
+    return ModelSpec(cfg.layers, cfg.hidden, cfg.heads, cfg.seq_len, cfg.vocab_size, n_params)
+
+
+def layout_of(mesh: dict[str, int], parallel: dict[str, Any] | None = None) -> Layout:
+    """The planner's name for a distml mesh."""
+    parallel = parallel or {}
+    fsdp, dp = mesh.get("fsdp", 1), mesh.get("dp", 1)
+    zero = 0 if fsdp == 1 else (2 if parallel.get("reshard_after_forward") is False else 3)
+    return Layout(dp=dp * fsdp, tp=mesh.get("tp", 1), pp=mesh.get("pp", 1), zero=zero)
+
+
+def mesh_of(layout: Layout) -> tuple[dict[str, int], dict[str, Any]]:
+    """The distml mesh and layout options of a planner layout with ZeRO stage 0, 2 or 3."""
+    if layout.zero not in ZERO_STAGES:
+        raise ConfigError(f"distml has no ZeRO stage {layout.zero}; it offers 0, 2 and 3")
+    data = "fsdp" if layout.zero and layout.dp > 1 else "dp"
+    sizes = {data: layout.dp, "tp": layout.tp, "pp": layout.pp}
+    mesh = {k: v for k, v in sizes.items() if v > 1} or {"dp": 1}
+    parallel = {"reshard_after_forward": False} if data == "fsdp" and layout.zero == 2 else {}
+    return mesh, parallel
+
+
+def training_for(
+    layout: Layout,
+    global_batch: int,
+    microbatches: int,
+    precision: str = "fp32",
+    recompute: str = "none",
+) -> Training:
+    """Settings of one step under ``layout``, with AdamW: a pipeline splits each replica's
+    batch into ``microbatches``, any other layout computes it whole."""
+    per_replica = global_batch // layout.dp
+    micro = per_replica // microbatches if layout.pp > 1 else per_replica
+    return Training(global_batch, max(micro, 1), precision, "adam", recompute)
+
+
+@dataclass
+class Choice:
+    mesh: dict[str, int]
+    parallel: dict[str, Any]
+    prediction: Prediction
+    ranked: list[Prediction] = field(default_factory=list)  # every layout that fits, best first
+    too_big: list[Prediction] = field(default_factory=list)
+
+
+def choose_layout(
+    cfg: GPTConfig,
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    microbatches: int,
+    precision: str = "fp32",
+    n_params: float | None = None,
+) -> Choice:
+    """The fastest predicted layout of ``cluster.devices`` workers that fits in device memory.
+    Candidates: dp x tp x pp = devices, tp dividing the heads, pp at most the layers, a batch
+    that splits into the replicas (and, under a pipeline, into ``microbatches``)."""
+    model = model_spec(cfg, n_params)
+    n = cluster.devices
+    preds = []
+    for tp in divisors(n):
+        for pp in divisors(n // tp):
+            dp = n // (tp * pp)
+            if cfg.heads % tp or pp > cfg.layers or global_batch % dp:
+                continue
+            if pp > 1 and (global_batch // dp) % microbatches:
+                continue
+            for zero in ZERO_STAGES if dp > 1 else (0,):
+                layout = Layout(dp=dp, tp=tp, pp=pp, zero=zero)
+                training = training_for(layout, global_batch, microbatches, precision)
+                preds.append(predict(model, cluster, training, layout))
+    fits = [p for p in preds if p.memory_bytes["total"] <= cluster.device.memory_bytes]
+    too_big = [p for p in preds if p not in fits]
+    if not preds:
+        raise ConfigError(
+            f"no layout of {n} workers suits {cfg.heads} heads, {cfg.layers} layers and a "
+            f"global batch of {global_batch} in {microbatches} micro-batches"
+        )
+    if not fits:
+        smallest = min(p.memory_bytes["total"] for p in preds)
+        raise ConfigError(
+            f"no layout of {n} workers fits this model in {size(cluster.device.memory_bytes)} "
+            f"per device; the smallest needs {size(smallest)}"
+        )
+    fits.sort(key=lambda p: p.step_time_s)
+    mesh, parallel = mesh_of(fits[0].layout)
+    return Choice(mesh, parallel, fits[0], fits, too_big)

@@ -1,0 +1,118 @@
+"""``distml run --strategy auto``: the planner's best layout for the cluster file is the one the
+run trains under."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tomli_w
+from typer.testing import CliRunner
+
+from conftest import distml_cli
+from distml.cli.main import app
+from distml.config import ConfigError, GPTConfig
+from distml.models import GPT
+from distml.plan.auto import choose_layout, gpt_params, layout_of, mesh_of
+from distml.plan.bench import read_cluster_file
+from distml.plan.cost_model import Layout
+
+GPT_EXAMPLE = str(Path(__file__).parents[2] / "examples" / "gpt" / "train.py")
+
+
+def cluster_file(path: Path, memory_bytes: float, devices: int = 2) -> Path:
+    """A cluster in the shape ``distml bench`` writes, with this much memory per device."""
+    data = {
+        "devices": devices,
+        "devices_per_node": devices,
+        "device": {
+            "name": "cpu",
+            "memory_bytes": memory_bytes,
+            "peak_flops": 7e10,
+            "intra_bw": 8e8,
+            "inter_bw": 8e8,
+            "latency_s": 5e-4,
+            "power_w": 10.0,
+        },
+    }
+    path.write_text(tomli_w.dumps(data))
+    return path
+
+
+def test_meshes_and_planner_layouts_name_the_same_things():
+    for layout in (
+        Layout(dp=4),
+        Layout(dp=2, zero=3, tp=2),
+        Layout(dp=4, zero=2),
+        Layout(pp=2, tp=2),
+        Layout(),
+    ):
+        mesh, parallel = mesh_of(layout)
+        assert layout_of(mesh, parallel) == layout
+    assert mesh_of(Layout(dp=2, zero=3)) == ({"fsdp": 2}, {})
+    assert mesh_of(Layout(dp=2, zero=2)) == ({"fsdp": 2}, {"reshard_after_forward": False})
+    with pytest.raises(ConfigError, match="no ZeRO stage 1"):
+        mesh_of(Layout(dp=2, zero=1))
+
+
+def test_the_exact_parameter_count_is_taken_without_building_the_model():
+    cfg = GPTConfig(layers=2, hidden=64, heads=2)
+    assert gpt_params(cfg) == sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def test_memory_decides_and_a_model_that_fits_nowhere_is_refused(tmp_path):
+    cfg = GPTConfig()  # the GPT example's default size
+    n = gpt_params(cfg)
+    roomy = read_cluster_file(cluster_file(tmp_path / "a.toml", 6e9))
+    tight = read_cluster_file(cluster_file(tmp_path / "b.toml", 12e6))
+    big = choose_layout(cfg, roomy, global_batch=16, microbatches=8, n_params=n)
+    small = choose_layout(cfg, tight, global_batch=16, microbatches=8, n_params=n)
+    # With room, replicas win; with 12 MB a device, only a layout that splits the model fits.
+    assert big.mesh == {"dp": 2} and len(big.ranked) > 1 and not big.too_big
+    assert small.mesh != {"dp": 2} and small.too_big
+    assert all(p.memory_bytes["total"] <= 12e6 for p in small.ranked)
+    assert small.prediction is small.ranked[0]
+    with pytest.raises(ConfigError, match=r"fits this model in 1\.0 MiB per device"):
+        choose_layout(
+            cfg,
+            read_cluster_file(cluster_file(tmp_path / "c.toml", 2**20)),
+            global_batch=16,
+            microbatches=8,
+            n_params=n,
+        )
+
+
+def test_run_trains_under_the_planners_choice(tmp_path):
+    cluster = cluster_file(tmp_path / "cluster.toml", 12e6)
+    expected = choose_layout(
+        GPTConfig(),
+        read_cluster_file(cluster),
+        global_batch=16,
+        microbatches=8,
+        n_params=gpt_params(GPTConfig()),
+    )
+    proc = distml_cli(
+        "run", "--nproc", "2", "--strategy", "auto", "--cluster", str(cluster),
+        "--microbatches", "8", "--runs-dir", str(tmp_path), "--run-name", "auto",
+        GPT_EXAMPLE, "--steps", "2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mesh = ",".join(f"{k}={v}" for k, v in expected.mesh.items())
+    assert f"--strategy auto: --mesh {mesh}" in proc.stderr
+    summary = json.loads((tmp_path / "auto" / "summary.json").read_text())
+    assert {k: summary["layout"][k] for k in expected.mesh} == expected.mesh
+    assert summary["world_size"] == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mesh", "tp=2"], "give --mesh or --strategy auto, not both"),
+        (["--cluster", "no-such.toml"], "distml bench --nproc 2 --out no-such.toml"),
+    ],
+)
+def test_auto_refuses_a_mesh_and_a_missing_cluster_file(tmp_path, args, message):
+    out = CliRunner().invoke(app, ["run", "--nproc", "2", "--strategy", "auto", *args, GPT_EXAMPLE])
+    assert out.exit_code == 2
+    assert message in " ".join(out.output.split())
