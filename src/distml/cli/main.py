@@ -209,7 +209,7 @@ def run(
             ps["backup_workers"] = backup_workers
         if ps_servers is not None:
             ps["addresses"] = [u for u in ps_servers.split(",") if u]
-        cfg = resolve_run_config(
+        flags: dict[str, Any] = dict(
             config_file=config,
             nproc=nproc,
             nnodes=nnodes,
@@ -229,28 +229,11 @@ def run(
             model=model,
             ps=ps,
         )
-        if auto:
+        cfg = resolve_run_config(**flags)
+        if auto:  # the same flags again, with the planner's mesh, in the same run folder
             mesh, parallel = _planned_layout(cfg, cluster, plan_batch, parallel)
-            cfg = resolve_run_config(
-                config_file=config,
-                nproc=nproc,
-                nnodes=nnodes,
-                node_rank=node_rank,
-                rdzv_endpoint=rdzv_endpoint,
-                max_restarts=max_restarts,
-                run_name=cfg.run_name,
-                runs_dir=runs_dir,
-                strategy=strategy,
-                mesh=mesh,
-                timeout=timeout,
-                seed=seed,
-                simulate_straggler=simulate_straggler,
-                schedule=schedule,
-                microbatches=microbatches,
-                parallel=parallel,
-                model=model,
-                ps=ps,
-            )
+            flags.update(mesh=mesh, parallel=parallel, run_name=cfg.run_name)
+            cfg = resolve_run_config(**flags)
     except ConfigError as exc:
         fail_usage(str(exc))
     if ps and cfg.strategy.name != "ps":
