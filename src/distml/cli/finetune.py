@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from distml.cli.data_spec import DATA_HELP
+from distml.cli.messages import err, fail_usage, report_failure
 
 
 def finetune(
@@ -52,7 +53,6 @@ def finetune(
     from pydantic import ValidationError
 
     from distml.cli.data_spec import parse_data
-    from distml.cli.main import err, fail_usage, report_failure
     from distml.config import ConfigError, GPTConfig, format_validation_error, parse_mesh
     from distml.launch.elastic import LaunchError
     from distml.train.finetune_job import FineTuneSpec, model_settings_near, run_finetune

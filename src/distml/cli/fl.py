@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
+from distml.cli.messages import fail_usage
+
 fl_app = typer.Typer(
     help="Federated learning: the data stays on each client; only updates travel.",
     no_args_is_help=True,
@@ -156,7 +158,6 @@ def simulate(
     """Many virtual clients in a pool of processes against the real server over loopback."""
     from rich.console import Console
 
-    from distml.cli.main import fail_usage
     from distml.federated.client import parse_attack
     from distml.federated.partition import parse_partition
     from distml.federated.simulation import SimulationConfig, print_json_line
@@ -249,7 +250,6 @@ def server(
 ) -> None:
     """Serve federated rounds to clients on other machines; evaluates on its own held-out data
     and stops serving new rounds after the last one."""
-    from distml.cli.main import fail_usage
     from distml.data import digits
     from distml.federated.app import create_fl_app
     from distml.federated.server import FederatedServer
@@ -294,7 +294,6 @@ def client(
 ) -> None:
     """Train with a federated server; the data never leaves this machine. The token comes from
     DISTML_TOKEN."""
-    from distml.cli.main import fail_usage
     from distml.federated.client import FederatedClient
     from distml.net import token_from_env
 

@@ -12,6 +12,8 @@ from typing import Annotated
 
 import typer
 
+from distml.cli.messages import fail_usage, report_failure
+
 hub_app = typer.Typer(
     help="Community contributions: a hub that evaluates and merges deltas.",
     no_args_is_help=True,
@@ -69,7 +71,6 @@ def serve(
     from safetensors import SafetensorError
 
     from distml.cli.fl import load_client_data
-    from distml.cli.main import fail_usage
     from distml.config import format_validation_error
     from distml.data import digits
     from distml.federated.hub import Hub, HubConfig
@@ -121,7 +122,6 @@ def contribute(
     from safetensors import SafetensorError
 
     from distml.cli.fl import load_client_data
-    from distml.cli.main import fail_usage, report_failure
     from distml.federated.hub_app import HubClient, fine_tune
     from distml.net import ServiceError, token_from_env
 
@@ -160,7 +160,6 @@ def versions(hub_url: HubUrl, ca_cert: CaCert = None) -> None:
     """Print the hub's provenance log (versions and refusals) as JSON.
 
     The token comes from DISTML_TOKEN."""
-    from distml.cli.main import fail_usage, report_failure
     from distml.federated.hub_app import HubClient
     from distml.net import ServiceError, token_from_env
 

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from distml.cli.messages import err, fail_usage, report_failure
 from distml.config import ConfigError, parse_mesh
 
 
@@ -18,7 +19,6 @@ def generate(
     mesh: Annotated[str | None, typer.Option(help="Layout, e.g. tp=2 or pp=2.")] = None,
 ) -> None:
     """Continue PROMPT with the GPT exported by a run, laid out over NPROC processes."""
-    from distml.cli.main import err, fail_usage, report_failure
     from distml.launch.elastic import LaunchError
     from distml.serve.generate import generate_text
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from distml.cli.data_spec import DATA_HELP
+from distml.cli.messages import err, fail_usage, report_failure
 
 if TYPE_CHECKING:
     from torch import nn
@@ -51,7 +52,6 @@ def infer(
     mesh: Annotated[str | None, typer.Option(help="Layout, e.g. dp=2, tp=2 or pp=2.")] = None,
 ) -> None:
     """Write the model's outputs for DATA (or the GPT's continuations of PROMPTS) to OUT."""
-    from distml.cli.main import err, fail_usage, report_failure
     from distml.config import ConfigError, parse_mesh
     from distml.launch.elastic import LaunchError
     from distml.models.registry import SPECS

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
+from distml.cli.messages import err, fail_usage, report_failure
 from distml.config import (
     ConfigError,
     RunConfig,
@@ -30,18 +30,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-err = Console(stderr=True)
-
-
-def fail_usage(message: str) -> NoReturn:
-    err.print("[bold red]error:[/]", highlight=False, end=" ")
-    err.print(message, highlight=False, markup=False, soft_wrap=True)
-    raise typer.Exit(2)
-
-
-def report_failure(what: str, exc: Exception) -> None:
-    err.print(f"[bold red]{what}:[/]", highlight=False, end=" ")
-    err.print(str(exc), highlight=False, markup=False, soft_wrap=True)
 
 
 def _default_nproc() -> int:

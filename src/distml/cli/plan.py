@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from distml.cli.messages import fail_usage
 from distml.plan.bench import read_cluster_file
 from distml.plan.cost_model import (
     DEVICES,
@@ -65,7 +66,6 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Predict memory, step time, traffic and energy of a layout (or rank all layouts)."""
-    from distml.cli.main import fail_usage
 
     if cluster_file is not None:
         try:
@@ -164,7 +164,6 @@ def simulate(
     restart_s: Annotated[float, typer.Option(min=0, help="Seconds to restart.")] = 30,
 ) -> None:
     """Simulate a pipeline step (Gantt chart), stragglers, and failures with checkpoints."""
-    from distml.cli.main import fail_usage
     from distml.plan.simulator import (
         bubble_of,
         draw_gantt,

@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 
 from distml.cli.default_command import group_with_default
+from distml.cli.messages import fail_usage, report_failure
 
 preprocess_app = typer.Typer(
     cls=group_with_default("run"),
@@ -99,7 +100,6 @@ def run(
     from pydantic import ValidationError
     from rich.console import Console
 
-    from distml.cli.main import fail_usage, report_failure
     from distml.data.preprocess import OutputError, PreprocessError, SourceError, preprocess
     from distml.data.preprocess.worker import load_transform
     from distml.net import TOKEN_ENV, token_from_env
@@ -170,7 +170,6 @@ def worker(
     ca_cert: Annotated[str | None, typer.Option(help="CA bundle for https.")] = None,
 ) -> None:
     """Work for a coordinator until its job is done (token from DISTML_TOKEN)."""
-    from distml.cli.main import fail_usage, report_failure
     from distml.data.preprocess.worker import run_worker
     from distml.net import ServiceError, token_from_env
 

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from distml.cli.messages import fail_usage
 from distml.config import ConfigError, PSConfig, build_config, parse_consistency
 
 ps_app = typer.Typer(
@@ -38,7 +39,6 @@ def serve(
 ) -> None:
     """Serve one parameter-server shard. The token comes from DISTML_TOKEN (>= 16 characters);
     workers send it as a bearer token."""
-    from distml.cli.main import fail_usage
     from distml.net import serve as serve_app
     from distml.net import token_from_env
     from distml.ps.app import create_shard_app

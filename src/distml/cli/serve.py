@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from distml.cli.default_command import group_with_default
+from distml.cli.messages import fail_usage
 
 DEPLOY = "deploy"
 
@@ -38,7 +39,6 @@ KeyFile = Annotated[str | None, typer.Option(help="TLS key (PEM).")]
 
 
 def _token() -> str:
-    from distml.cli.main import fail_usage
     from distml.net import token_from_env
 
     try:
@@ -65,7 +65,6 @@ def deploy(
     them; a replica that dies is restarted. Ctrl-C drains the router, then stops the replicas."""
     from rich.console import Console
 
-    from distml.cli.main import fail_usage
     from distml.config import ConfigError
     from distml.serve.model import load_served_model
     from distml.serve.router import Router
@@ -110,7 +109,6 @@ def replica(
     ssl_keyfile: KeyFile = None,
 ) -> None:
     """Serve one replica of CHECKPOINT (put a router in front of several)."""
-    from distml.cli.main import fail_usage
     from distml.config import ConfigError
     from distml.net import serve
     from distml.serve.model import load_served_model

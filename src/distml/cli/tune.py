@@ -14,6 +14,7 @@ from typing import Annotated, NoReturn
 import typer
 
 from distml.cli.default_command import group_with_default
+from distml.cli.messages import fail_usage, report_failure
 
 START = "start"
 
@@ -42,21 +43,6 @@ Heartbeat = Annotated[
 
 def _interrupt(signum: int, frame: object) -> NoReturn:
     raise KeyboardInterrupt
-
-
-def _fail_usage(message: str) -> NoReturn:
-    # distml.cli.main imports every command: only on the error path, so that a job and each
-    # worker process it starts do not pay for that.
-    from distml.cli.main import fail_usage
-
-    fail_usage(message)
-
-
-def _report_failure(what: str, exc: Exception) -> NoReturn:
-    from distml.cli.main import report_failure
-
-    report_failure(what, exc)
-    raise typer.Exit(1)
 
 
 @tune_app.command(name=START)
@@ -96,9 +82,10 @@ def start(
             heartbeat_s=heartbeat,
         )
     except ConfigError as exc:
-        _fail_usage(str(exc))
+        fail_usage(str(exc))
     except TuneError as exc:
-        _report_failure("distml tune failed", exc)
+        report_failure("distml tune failed", exc)
+        raise typer.Exit(1) from None
     if as_json:
         print(json.dumps(result.to_dict()))
         return
@@ -132,9 +119,10 @@ def worker(
     try:
         ran = run_worker(objective, storage, study or objective, seed=seed, heartbeat_s=heartbeat)
     except ConfigError as exc:
-        _fail_usage(str(exc))
+        fail_usage(str(exc))
     except SQLAlchemyError as exc:
-        _report_failure("distml tune worker failed", exc)
+        report_failure("distml tune worker failed", exc)
+        raise typer.Exit(1) from None
     print(f"this worker ran {ran} trial(s)")
 
 
