@@ -33,8 +33,7 @@ from model_parallel import (  # noqa: E402
 )
 
 import distml  # noqa: E402
-from distml.models import GPT  # noqa: E402
-from distml.plan.auto import layout_of, model_spec, training_for  # noqa: E402
+from distml.plan.auto import gpt_params, layout_of, model_spec, training_for  # noqa: E402
 from distml.plan.bench import cluster_from_dict, measure  # noqa: E402
 from distml.plan.cost_model import predict  # noqa: E402
 
@@ -63,7 +62,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed blocks per layout")
     parser.add_argument("--layouts", default=DEFAULT_LAYOUTS)
     args = parser.parse_args()
-    n_params = sum(p.numel() for p in GPT(MODEL).parameters())
+    n_params = gpt_params(MODEL)
     model = model_spec(MODEL, n_params)
     results: dict[str, dict] = {}
     with scratch_dir("distml-bench-plan-") as runs:

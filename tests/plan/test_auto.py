@@ -21,8 +21,9 @@ from distml.plan.cost_model import Layout
 GPT_EXAMPLE = str(Path(__file__).parents[2] / "examples" / "gpt" / "train.py")
 
 
-def cluster_file(path: Path, memory_bytes: float, devices: int = 2) -> Path:
-    """A cluster in the shape ``distml bench`` writes, with this much memory per device."""
+def cluster_file(path: Path, memory_bytes: float, devices: int = 2, bandwidth: float = 8e8) -> Path:
+    """A cluster in the shape ``distml bench`` writes, with this much memory per device and
+    this link bandwidth (bytes/s)."""
     data = {
         "devices": devices,
         "devices_per_node": devices,
@@ -30,8 +31,8 @@ def cluster_file(path: Path, memory_bytes: float, devices: int = 2) -> Path:
             "name": "cpu",
             "memory_bytes": memory_bytes,
             "peak_flops": 7e10,
-            "intra_bw": 8e8,
-            "inter_bw": 8e8,
+            "intra_bw": bandwidth,
+            "inter_bw": bandwidth,
             "latency_s": 5e-4,
             "power_w": 10.0,
         },
@@ -54,6 +55,8 @@ def test_meshes_and_planner_layouts_name_the_same_things():
     assert mesh_of(Layout(dp=2, zero=2)) == ({"fsdp": 2}, {"reshard_after_forward": False})
     with pytest.raises(ConfigError, match="no ZeRO stage 1"):
         mesh_of(Layout(dp=2, zero=1))
+    with pytest.raises(ConfigError, match=r"dp=2 x fsdp=2 \(HSDP\)"):
+        layout_of({"dp": 2, "fsdp": 2})
 
 
 def test_the_exact_parameter_count_is_taken_without_building_the_model():
@@ -103,6 +106,31 @@ def test_run_trains_under_the_planners_choice(tmp_path):
     summary = json.loads((tmp_path / "auto" / "summary.json").read_text())
     assert {k: summary["layout"][k] for k in expected.mesh} == expected.mesh
     assert summary["world_size"] == 2
+
+
+def test_a_layout_the_config_refuses_gives_way_to_the_next_best(tmp_path):
+    """On a 1 MB/s network the pipeline (activations only on the wire) is predicted fastest,
+    but one micro-batch is too few for 1F1B over two stages: the config refuses pp=2 and the
+    run goes ahead under the planner's second choice."""
+    cluster = cluster_file(tmp_path / "cluster.toml", 6e9, bandwidth=1e6)
+    ranked = choose_layout(
+        GPTConfig(),
+        read_cluster_file(cluster),
+        global_batch=16,
+        microbatches=1,
+        n_params=gpt_params(GPTConfig()),
+    ).ranked
+    assert ranked[0].layout.pp == 2
+    second, _ = mesh_of(ranked[1].layout)
+    proc = distml_cli(
+        "run", "--nproc", "2", "--strategy", "auto", "--cluster", str(cluster),
+        "--microbatches", "1", "--runs-dir", str(tmp_path), "--run-name", "auto",
+        GPT_EXAMPLE, "--steps", "1",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mesh = ",".join(f"{k}={v}" for k, v in second.items())
+    assert f"--strategy auto: --mesh {mesh} " in proc.stderr
+    assert "number 2 of" in " ".join(proc.stderr.split())
 
 
 @pytest.mark.parametrize(

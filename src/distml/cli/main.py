@@ -218,10 +218,8 @@ def run(
             ps=ps,
         )
         cfg = resolve_run_config(**flags)
-        if auto:  # the same flags again, with the planner's mesh, in the same run folder
-            mesh, parallel = _planned_layout(cfg, cluster, plan_batch, parallel)
-            flags.update(mesh=mesh, parallel=parallel, run_name=cfg.run_name)
-            cfg = resolve_run_config(**flags)
+        if auto:
+            cfg = _planned_config(cfg, flags, cluster, plan_batch)
     except ConfigError as exc:
         fail_usage(str(exc))
     if ps and cfg.strategy.name != "ps":
@@ -242,13 +240,15 @@ def run(
     err.print(f"run folder: {cfg.run_dir}", highlight=False)
 
 
-def _planned_layout(
-    cfg: RunConfig, cluster_file: Path, global_batch: int, parallel: str | None
-) -> tuple[str, str | None]:
-    """``--strategy auto``: the mesh (and layout options) the cost model predicts fastest for
-    this world on the cluster ``distml bench`` measured, as ``--mesh`` and ``--parallel``."""
+def _planned_config(
+    cfg: RunConfig, flags: dict[str, Any], cluster_file: Path, global_batch: int
+) -> RunConfig:
+    """``--strategy auto``: the run's config under the mesh (and layout options) the cost model
+    predicts fastest for this world on the cluster ``distml bench`` measured. The config has
+    the last word: a layout it refuses (too few micro-batches for that many stages, say) gives
+    way to the next best."""
     from distml.config import GPTConfig
-    from distml.plan.auto import choose_layout, gpt_params, size
+    from distml.plan.auto import choose_layout, gpt_params, mesh_of, size
     from distml.plan.bench import read_cluster_file
     from distml.plan.cost_model import Cluster
 
@@ -263,29 +263,41 @@ def _planned_layout(
         raise ConfigError(str(exc)) from None
     if cfg.min_nodes != cfg.max_nodes:
         raise ConfigError("--strategy auto plans a fixed world: give --nnodes N, not a range")
-    world = cfg.nproc * cfg.max_nodes
-    local = Cluster(measured.device, world, cfg.nproc)
     model = cfg.model or GPTConfig()
+    par = cfg.parallel
     choice = choose_layout(
         model,
-        local,
+        Cluster(measured.device, cfg.world_size, cfg.nproc),
         global_batch=global_batch,
-        microbatches=cfg.parallel.microbatches,
+        microbatches=par.microbatches,
         precision=cfg.strategy.mixed_precision,
         n_params=gpt_params(model),
+        schedule=par.schedule,
+        chunks=par.virtual_stages,
+        recompute=par.activation_checkpointing,
     )
-    mesh = ",".join(f"{k}={v}" for k, v in choice.mesh.items())
-    options = ",".join(f"{k}={str(v).lower()}" for k, v in choice.parallel.items())
-    best = choice.prediction
-    err.print(
-        f"--strategy auto: --mesh {mesh}{' --parallel ' + options if options else ''} "
-        f"(predicted {best.step_time_s * 1e3:.1f} ms a step, "
-        f"{size(best.memory_bytes['total'])} a device; best of "
-        f"{len(choice.ranked)} layouts that fit, {len(choice.too_big)} too big)",
-        highlight=False,
-    )
-    joined = ",".join(x for x in (parallel, options) if x)
-    return mesh, joined or None
+    refused = []
+    for rank, pred in enumerate(choice.ranked, 1):
+        mesh_sizes, options = mesh_of(pred.layout)
+        mesh = ",".join(f"{k}={v}" for k, v in mesh_sizes.items())
+        extra = ",".join(f"{k}={str(v).lower()}" for k, v in options.items())
+        parallel = ",".join(x for x in (flags["parallel"], extra) if x) or None
+        try:  # the same flags with the planner's mesh, in the same run folder
+            planned = resolve_run_config(
+                **{**flags, "mesh": mesh, "parallel": parallel, "run_name": cfg.run_name}
+            )
+        except ConfigError as exc:
+            refused.append(f"--mesh {mesh}: {exc}")
+            continue
+        err.print(
+            f"--strategy auto: --mesh {mesh}{' --parallel ' + extra if extra else ''} "
+            f"(predicted {pred.step_time_s * 1e3:.1f} ms a step, "
+            f"{size(pred.memory_bytes['total'])} a device; number {rank} of "
+            f"{len(choice.ranked)} layouts that fit, {len(choice.too_big)} too big)",
+            highlight=False,
+        )
+        return planned
+    raise ConfigError("every layout the planner found is refused: " + "; ".join(refused))
 
 
 @app.command()

@@ -41,9 +41,12 @@ def model_spec(cfg: GPTConfig, n_params: float | None = None) -> ModelSpec:
 
 
 def layout_of(mesh: dict[str, int], parallel: dict[str, Any] | None = None) -> Layout:
-    """The planner's name for a distml mesh."""
+    """The planner's name for a distml mesh (not HSDP: the cost model has no layout that
+    shards over part of the data-parallel ranks and replicates over the rest)."""
     parallel = parallel or {}
     fsdp, dp = mesh.get("fsdp", 1), mesh.get("dp", 1)
+    if fsdp > 1 and dp > 1:
+        raise ConfigError(f"the planner has no layout for dp={dp} x fsdp={fsdp} (HSDP)")
     zero = 0 if fsdp == 1 else (2 if parallel.get("reshard_after_forward") is False else 3)
     return Layout(dp=dp * fsdp, tp=mesh.get("tp", 1), pp=mesh.get("pp", 1), zero=zero)
 
@@ -90,8 +93,12 @@ def choose_layout(
     microbatches: int,
     precision: str = "fp32",
     n_params: float | None = None,
+    schedule: str = "1f1b",
+    chunks: int = 1,
+    recompute: str = "none",
 ) -> Choice:
-    """The fastest predicted layout of ``cluster.devices`` workers that fits in device memory.
+    """The fastest predicted layout of ``cluster.devices`` workers that fits in device memory,
+    under the run's own pipeline ``schedule`` (``chunks`` stages a rank) and ``recompute``.
     Candidates: dp x tp x pp = devices, tp dividing the heads, pp at most the layers, a batch
     that splits into the replicas (and, under a pipeline, into ``microbatches``)."""
     model = model_spec(cfg, n_params)
@@ -105,8 +112,8 @@ def choose_layout(
             if pp > 1 and (global_batch // dp) % microbatches:
                 continue
             for zero in ZERO_STAGES if dp > 1 else (0,):
-                layout = Layout(dp=dp, tp=tp, pp=pp, zero=zero)
-                training = training_for(layout, global_batch, microbatches, precision)
+                layout = Layout(dp=dp, tp=tp, pp=pp, zero=zero, schedule=schedule, chunks=chunks)
+                training = training_for(layout, global_batch, microbatches, precision, recompute)
                 preds.append(predict(model, cluster, training, layout))
     fits = [p for p in preds if p.memory_bytes["total"] <= cluster.device.memory_bytes]
     too_big = [p for p in preds if p not in fits]

@@ -334,7 +334,8 @@ class Context:
         # Saved-tensor hooks on every activation cost as much as a few percent of a step: the
         # activations' peak is measured on the sampled steps too, and repeated in between.
         activations = self._activations if sampled else nullcontext()
-        self._activations.reset()
+        if sampled:
+            self._activations.reset()
         with comm, activations:
             value = strategy.forward_backward(batch, loss, compute_loss, self._autocast, _split)
             backward_done = time.perf_counter()
