@@ -215,8 +215,8 @@ def serve_and_query(
     ``images`` as requests of ``rows`` images each over HTTP, return the answers and latencies."""
     import httpx
 
-    from distml.launch.elastic import free_port
     from distml.net import BackgroundServer
+    from distml.net.ports import free_port
     from distml.serve.protocol import InferRequest, RequestInput
     from distml.serve.router import Router
     from distml.serve.router_app import create_router_app

@@ -114,6 +114,7 @@ def _generate(
         lines = prompts.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--prompts {str(prompts)!r}: {exc}") from None
-    ids = [list(line.encode()) for line in lines if line]
+    ids = [list(line.encode()) for line in lines]  # an empty line is refused, not skipped:
+    # the output's row i answers line i
     sequences = generate_tokens(checkpoint, ids, tokens, batch_size=batch_size, **settings)
     return write_sequences(sequences, out)

@@ -21,8 +21,8 @@ from distml.federated.partition import partition
 from distml.federated.privacy import ClientLevelDP
 from distml.federated.server import FederatedServer, ServerConfig
 from distml.federated.strategy import Strategy
-from distml.launch.elastic import free_port
 from distml.net import BackgroundServer
+from distml.net.ports import free_port
 
 
 @dataclass

@@ -25,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from distml.config import CONFIG_ENV, RunConfig, parse_endpoint, save_config
+from distml.net.ports import free_port
 
 ATTEMPT_ENV = "DISTML_ATTEMPT"
 log = logging.getLogger("distml.launch")
@@ -47,12 +48,6 @@ class LaunchError(RuntimeError):
         for f in failures:
             lines.append(f"--- rank {f.rank} (exit code {f.exitcode}) ---\n{f.message}".rstrip())
         super().__init__("\n".join(lines))
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def route_source_addr(host: str, port: int) -> str:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from distml.launch.elastic import free_port
 from distml.net import TOKEN_ENV
+from distml.net.ports import free_port
 
 PR_SET_PDEATHSIG = 1
 

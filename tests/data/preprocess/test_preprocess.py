@@ -21,7 +21,9 @@ from distml.data.preprocess import (
     ParquetSource,
     PreprocessedShards,
     PreprocessError,
+    SourceError,
     SqlSource,
+    plan,
     preprocess,
     read_manifest,
     read_table,
@@ -197,3 +199,11 @@ def test_parquet_sql_and_file_sources(csv, oracle, tmp_path):
     assert sorted(zip(out["name"], out["size"], strict=True)) == [
         (f"f{i}.txt", i) for i in range(5)
     ]
+
+
+@pytest.mark.parametrize("text", ["id,text\n", ""], ids=["header-only", "empty"])
+def test_a_csv_without_rows_is_refused_by_name(tmp_path, text):
+    path = tmp_path / "rows.csv"
+    path.write_text(text)
+    with pytest.raises(SourceError, match="holds no input"):
+        plan(CsvSource(path=str(path)))

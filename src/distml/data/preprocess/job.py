@@ -28,8 +28,8 @@ from distml.data.preprocess.coordinator import Coordinator, create_coordinator_a
 from distml.data.preprocess.output import TMP, OutputDir
 from distml.data.preprocess.queue import ShardQueue
 from distml.data.preprocess.sources import Source, SqlSource, plan
-from distml.launch.elastic import free_port
 from distml.net import TOKEN_ENV, BackgroundServer
+from distml.net.ports import free_port
 
 
 class PreprocessError(RuntimeError):

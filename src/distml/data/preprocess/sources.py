@@ -130,6 +130,8 @@ def _plan_csv(source: CsvSource) -> list[Shard]:
             f.seek(min(cuts[-1] + source.blocksize, size))
             f.readline()  # to the end of the line the cut fell in
             cuts.append(min(f.tell(), size))
+    if len(cuts) < 2:  # a header and no rows (or an empty file): no shard to plan
+        return []
     first = {"kind": "csv", "path": str(path), "header": header_end}
     types = _column_types(read_shard({**first, "start": cuts[0], "end": cuts[1], "types": {}}))
     return [
