@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,23 +51,22 @@ class ReplicaCommand:
 
 
 def _die_with_parent() -> None:
-    """Linux: a replica gets SIGTERM when the process supervising it dies, even by SIGKILL, so
-    no replica outlives its deployment."""
+    """Linux: a child gets SIGTERM when the process supervising it dies, even by SIGKILL, so
+    none outlives its deployment or job. (The kernel watches the thread that started the child:
+    start and restart children from a thread that lives as long as they should.)"""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass(eq=False)
-class ReplicaProcess:
-    port: int
+class ChildProcess:
+    """A process this one supervises: output appended to ``log``, its exit codes and restarts
+    kept for the supervisor's policy. Serving's replicas and preprocessing's workers are two."""
+
     log: Path
     popen: subprocess.Popen | None = None
     restarts: int = 0
     exits: list[int] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def start(self, argv: list[str], env: dict[str, str]) -> None:
         with open(self.log, "ab") as out:
@@ -74,11 +74,37 @@ class ReplicaProcess:
                 argv, env=env, stdout=out, stderr=out, preexec_fn=_die_with_parent
             )
 
+    def poll(self) -> int | None:
+        return None if self.popen is None else self.popen.poll()
+
     def log_tail(self, lines: int = 30) -> str:
         try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+            return "\n".join(self.log.read_text(errors="replace").rstrip().splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def stop_all(processes: Iterable[ChildProcess], timeout_s: float) -> None:
+    """SIGTERM every live process, then SIGKILL those still running ``timeout_s`` later."""
+    live = [p.popen for p in processes if p.popen is not None and p.popen.poll() is None]
+    for popen in live:
+        popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for popen in live:
+        try:
+            popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait()
+
+
+@dataclass(eq=False, kw_only=True)
+class ReplicaProcess(ChildProcess):
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
 
 class ReplicaSet:
@@ -98,7 +124,7 @@ class ReplicaSet:
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="distml-serve-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.processes = [
-            ReplicaProcess(free_port(), log_dir / f"replica-{i}.log") for i in range(replicas)
+            ReplicaProcess(log_dir / f"replica-{i}.log", port=free_port()) for i in range(replicas)
         ]
         # Replicas split the cores between them rather than each taking all of them.
         threads = max(1, (os.cpu_count() or 1) // replicas)
@@ -161,16 +187,7 @@ class ReplicaSet:
         self._stop.set()
         if self._watch.is_alive():
             self._watch.join()
-        live = [p.popen for p in self.processes if p.popen and p.popen.poll() is None]
-        for popen in live:
-            popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for popen in live:
-            try:
-                popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                popen.kill()
-                popen.wait()
+        stop_all(self.processes, timeout_s)
 
     def __enter__(self) -> ReplicaSet:
         return self.start()

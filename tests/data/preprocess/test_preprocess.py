@@ -170,6 +170,16 @@ def test_another_jobs_folder_and_a_missing_transform_are_refused(csv, tmp_path):
         preprocess(small(csv), f"{HERE / 'transforms.py'}:nope", tmp_path / "o2", workers=1)
 
 
+def test_a_transform_that_does_not_import_stops_the_job_at_once(csv, tmp_path):
+    """A SyntaxError is the user's to fix: the worker exits 2 and the job stops with its words,
+    rather than restarting workers that would fail the same way."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def transform(table:\n")
+    with pytest.raises(PreprocessError, match=r"local worker \d exited with 2: .*SyntaxError") as e:
+        preprocess(small(csv), f"{bad}:transform", tmp_path / "out", workers=2)
+    assert str(bad) in str(e.value)
+
+
 def test_parquet_sql_and_file_sources(csv, oracle, tmp_path):
     table = pacsv.read_csv(csv)
     pq.write_table(table, tmp_path / "rows.parquet", row_group_size=500)

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+from distml.data.preprocess.coordinator import Coordinator
+from distml.data.preprocess.output import OutputDir
 from distml.data.preprocess.queue import ShardQueue
 
 
@@ -29,7 +35,7 @@ def test_shards_go_out_in_order_and_finish_once_each():
     assert all(q.complete(a.id) for a in attempts)
     assert q.finished and q.claim("a") is None
     assert not q.complete(attempts[0].id)  # a repeated report changes nothing
-    assert q.stats.discarded == 1
+    assert q.stats.discarded == 0  # and is no copy thrown away
 
 
 def test_a_lost_lease_goes_back_first_and_heartbeats_keep_a_lease():
@@ -42,7 +48,7 @@ def test_a_lost_lease_goes_back_first_and_heartbeats_keep_a_lease():
     assert c.shard == a.shard and q.stats.lost_leases == 1 and q.stats.retried == 1
     assert b.id in q.running
     assert not q.complete(a.id)  # the dead worker's late report is discarded
-    assert q.complete(c.id)
+    assert q.complete(c.id) and q.stats.discarded == 1
 
 
 def test_failures_retry_until_max_attempts_then_fail_the_job():
@@ -69,8 +75,9 @@ def test_a_straggler_gets_a_backup_copy_and_the_first_to_finish_wins():
     assert backup.shard == slow.shard and backup.backup
     assert q.claim("other") is None  # one backup per shard
     assert q.complete(backup.id) and q.finished
-    assert not q.complete(slow.id)
-    assert (q.stats.speculative, q.stats.discarded) == (1, 1)
+    assert slow.id not in q.running and q.attempt(slow.id) == slow  # retired, still known
+    assert not q.complete(slow.id) and not q.complete(slow.id)
+    assert (q.stats.speculative, q.stats.discarded) == (1, 1)  # the late copy, counted once
 
 
 def test_no_speculation_before_two_shards_finished_or_when_off():
@@ -108,3 +115,34 @@ def test_the_backup_of_a_dead_worker_is_not_lost(n):
     q.expire()
     assert backup.id in q.running and slow.id not in q.running
     assert q.stats.retried == 0  # the shard still has a live copy
+
+
+def test_the_coordinator_counts_and_deletes_a_late_copy(tmp_path):
+    """Through the queue's owner, as the workers' reports arrive: the backup wins, the first
+    copy's late report is discarded (its file deleted, counted) and an intruder's is ignored."""
+    q, clock = queue(3, speculate_after=2.0, speculate_min_s=1.0)
+    output = OutputDir(tmp_path / "out", {"fingerprint": "f"})
+    output.open()
+    coordinator = Coordinator(q, output, "t:f")
+
+    def run(worker: str, value: int) -> str:
+        work = coordinator.claim(worker)
+        pq.write_table(pa.table({"x": [value]}), work["output"])
+        return work["attempt"]
+
+    slow = coordinator.claim("slow")
+    for _ in range(2):
+        clock.now += 1
+        assert coordinator.complete("fast", run("fast", 0))
+    clock.now = 5
+    q.heartbeat("slow")
+    backup = run("fast", 1)
+    assert q.running[backup].shard == slow["shard"]["id"]
+    pq.write_table(pa.table({"x": [2]}), slow["output"])
+    assert coordinator.complete("fast", backup) and q.finished
+    assert not coordinator.complete("intruder", slow["attempt"])
+    assert Path(slow["output"]).exists() and q.stats.discarded == 0
+    assert not coordinator.complete("slow", slow["attempt"])
+    assert not Path(slow["output"]).exists() and q.stats.discarded == 1
+    part = pq.read_table(tmp_path / "out" / f"part-{slow['shard']['id']:05d}.parquet")
+    assert part["x"].to_pylist() == [1]  # the winner's output, not the late copy's

@@ -8,6 +8,9 @@ Routes (all POST bodies are JSON, all need the token):
   POST /v1/complete   {"worker", "attempt"} -> {"kept": true|false}
   POST /v1/fail       {"worker", "attempt", "error"}
   GET  /healthz, /metrics
+
+After the last shard it keeps answering (:meth:`Coordinator.drain`) until every worker it has
+seen is told to stop, so that a worker on another machine exits as done, not as cut off.
 """
 
 from __future__ import annotations
@@ -55,14 +58,17 @@ class Coordinator:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.started = time.monotonic()
-        self.workers: set[str] = set()
+        self.workers: dict[str, float] = {}  # every worker seen -> when it last called
+        self.stopped: set[str] = set()  # the workers answered "stop"
 
     def claim(self, worker: str) -> dict[str, Any]:
-        with self.lock:
-            self.workers.add(worker)
+        with self.changed:
+            self.workers[worker] = time.monotonic()
             attempt = self.queue.claim(worker)
             if attempt is None:
                 if self.queue.error is not None or self.queue.finished:
+                    self.stopped.add(worker)
+                    self.changed.notify_all()
                     return {"action": "stop", "error": self.queue.error}
                 return {"action": "wait", "seconds": min(0.5, self.queue.lease_s / 4)}
             shard = self.queue.shards[attempt.shard]
@@ -75,14 +81,15 @@ class Coordinator:
 
     def heartbeat(self, worker: str) -> None:
         with self.lock:
+            self.workers[worker] = time.monotonic()
             self.queue.heartbeat(worker)
 
     def complete(self, worker: str, attempt_id: str) -> bool:
         with self.changed:
-            attempt = self.queue.running.get(attempt_id)
-            if attempt is not None and attempt.worker != worker:
+            attempt = self.queue.attempt(attempt_id)
+            if attempt is None or attempt.worker != worker:
                 return False  # not this worker's attempt: nothing to keep, nothing to delete
-            if attempt is None or not self.queue.complete(attempt_id):
+            if not self.queue.complete(attempt_id):
                 self.output.discard(attempt_id)  # a copy that lost, or a lease that ran out
                 return False
             try:
@@ -112,6 +119,21 @@ class Coordinator:
             self.changed.wait(timeout)
             self.queue.expire()
             return self.queue.finished or self.queue.error is not None
+
+    def drain(self, gone: set[str]) -> None:
+        """After the job: keep answering until every worker still alive, but those in ``gone``,
+        has been told to stop, for one lease at most. A worker elsewhere that found the port
+        closed would retry for a minute and fail, not stop. One silent for a lease is taken for
+        dead, as its shards are."""
+        lease = self.queue.lease_s
+        deadline = time.monotonic() + lease
+        with self.changed:
+            while (now := time.monotonic()) < deadline:
+                told = self.stopped | gone
+                alive = [t for w, t in self.workers.items() if w not in told and now - t < lease]
+                if not alive:
+                    return
+                self.changed.wait(min(deadline, min(alive) + lease) - now)
 
     def progress(self) -> dict[str, Any]:
         with self.lock:

@@ -28,8 +28,10 @@ from distml.data.preprocess.coordinator import Coordinator, create_coordinator_a
 from distml.data.preprocess.output import TMP, OutputDir
 from distml.data.preprocess.queue import ShardQueue
 from distml.data.preprocess.sources import Source, SqlSource, plan
+from distml.data.preprocess.worker import worker_name
 from distml.net import TOKEN_ENV, BackgroundServer
 from distml.net.ports import free_port
+from distml.serve.supervisor import ChildProcess, stop_all
 
 
 class PreprocessError(RuntimeError):
@@ -96,6 +98,7 @@ def preprocess(
                 restarts = pool.supervise(coordinator, max_restarts=max_attempts * max(workers, 1))
             finally:
                 pool.stop()
+            coordinator.drain(gone=pool.names)
     if queue.error is not None:
         raise PreprocessError(
             f"{queue.error}; {len(queue.done)} of {len(shards)} shards are done and kept in "
@@ -107,67 +110,57 @@ def preprocess(
 
 
 class LocalWorkers:
-    """Worker processes on this machine, each with its share of the cores."""
+    """Worker processes on this machine, each with its share of the cores. They die with this
+    process (Linux), so a coordinator killed outright leaves none behind."""
 
     def __init__(self, n: int, url: str, token: str, transform: str, log_dir: Path):
-        self.url, self.transform, self.log_dir = url, transform, log_dir
+        self.argv = [
+            sys.executable, "-m", "distml.data.preprocess.worker",
+            "--coordinator", url, "--transform", transform,
+        ]  # fmt: skip
         threads = str(max(1, (os.cpu_count() or 1) // max(n, 1)))
         self.env = {
             **os.environ,
             TOKEN_ENV: token,
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
         }
-        self.procs: list[subprocess.Popen | None] = [None] * n
+        self.names: set[str] = set()  # as the coordinator knows them, restarts included
+        self.procs = [ChildProcess(log_dir / f"worker-{i}.log") for i in range(n)]
         for i in range(n):
             self._start(i)
 
     def _start(self, i: int) -> None:
-        log = (self.log_dir / f"worker-{i}.log").open("ab")
-        argv = [
-            sys.executable, "-m", "distml.data.preprocess.worker",
-            "--coordinator", self.url, "--transform", self.transform, "--worker-id", f"local-{i}",
-        ]  # fmt: skip
-        self.procs[i] = subprocess.Popen(argv, env=self.env, stdout=log, stderr=log)
-        log.close()
+        proc = self.procs[i]
+        proc.start([*self.argv, "--worker-id", f"local-{i}"], self.env)
+        self.names.add(worker_name(f"local-{i}", proc.popen.pid))
 
     def supervise(self, coordinator: Coordinator, max_restarts: int) -> int:
         """Until the job ends: restart workers that die while work remains. A worker that exits
         with 2 (it cannot import the transform) stops the job with its message."""
-        restarts = 0
         while not coordinator.wait(0.25):
             for i, proc in enumerate(self.procs):
-                code = proc.poll() if proc is not None else None
+                code = proc.poll()
                 if code is None:
                     continue
+                restarts = sum(p.restarts for p in self.procs)
                 if code == 2 or restarts >= max_restarts:
                     with coordinator.lock:
                         coordinator.queue.error = (
                             f"local worker {i} exited with {code}: {self.tail(i)}"
                         )
                     return restarts
-                restarts += 1
+                proc.restarts += 1
                 self._start(i)
         deadline = time.monotonic() + 10  # they are told to stop at their next claim
         for proc in self.procs:
-            if proc is not None:
-                try:
-                    proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-        return restarts
+            try:
+                proc.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return sum(p.restarts for p in self.procs)
 
     def tail(self, i: int, lines: int = 5) -> str:
-        log = self.log_dir / f"worker-{i}.log"
-        text = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
-        return " | ".join(text[-lines:]) or "(no output)"
+        return " | ".join(self.procs[i].log_tail(lines).splitlines()) or "(no output)"
 
     def stop(self) -> None:
-        for proc in self.procs:
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            if proc is not None:
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        stop_all(self.procs, timeout_s=10)

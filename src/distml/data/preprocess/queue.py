@@ -7,7 +7,8 @@ fails, dies or dawdles.
   then the job fails with that shard's error.
 - Speculation (MapReduce's backup tasks, Dean and Ghemawat 2004): once no shard is waiting, an
   idle worker gets a second copy of a shard that has run ``speculate_after`` times longer than
-  the median finished shard. The first copy to finish wins; the other is discarded.
+  the median finished shard. The first copy to finish wins; the other is *retired*: its
+  report, when it comes, is discarded and counted (as is a lost lease's late report).
 - Completion is *committed* by the queue's owner (it moves the worker's file into place and
   records it), so however many copies run, each shard's output is written exactly once.
 
@@ -40,7 +41,7 @@ class QueueStats:
     retried: int = 0  # failures and lost leases that sent a shard back to the queue
     lost_leases: int = 0
     speculative: int = 0
-    discarded: int = 0  # copies that finished second
+    discarded: int = 0  # copies that finished after their shard was won or their lease ran out
 
 
 @dataclass
@@ -56,6 +57,7 @@ class ShardQueue:
     def __post_init__(self) -> None:
         self.pending = [s["id"] for s in self.shards if s["id"] not in self.done]
         self.running: dict[str, Attempt] = {}
+        self.retired: dict[str, Attempt] = {}  # copies that can no longer win, until they report
         self.failures: dict[int, int] = {}
         self.error: str | None = None
         self.stats = QueueStats()
@@ -84,15 +86,22 @@ class ShardQueue:
             if attempt.worker == worker:
                 attempt.deadline = now + self.lease_s
 
+    def attempt(self, attempt_id: str) -> Attempt | None:
+        """A running attempt, or a retired one that has not reported yet."""
+        return self.running.get(attempt_id) or self.retired.get(attempt_id)
+
     def complete(self, attempt_id: str) -> bool:
-        """True when this attempt is the shard's first to finish (its output is to be kept)."""
-        attempt = self.running.pop(attempt_id, None)
-        if attempt is None or attempt.shard in self.done:
+        """True when this attempt is the shard's first to finish (its output is to be kept). A
+        retired copy's completion is counted as discarded; a repeated report changes nothing."""
+        if self.retired.pop(attempt_id, None) is not None:
             self.stats.discarded += 1
             return False
+        attempt = self.running.pop(attempt_id, None)
+        if attempt is None:
+            return False
         self.done[attempt.shard] = self.clock() - attempt.started
-        for other in [a for a in self.running.values() if a.shard == attempt.shard]:
-            del self.running[other.id]  # its late completion will be discarded
+        for other in self._active(attempt.shard):
+            self._retire(other)
         return True
 
     def fail(self, attempt_id: str, error: str) -> None:
@@ -105,7 +114,7 @@ class ShardQueue:
     def expire(self) -> None:
         now = self.clock()
         for attempt in [a for a in self.running.values() if a.deadline < now]:
-            del self.running[attempt.id]
+            self._retire(attempt)
             self.stats.lost_leases += 1
             self._give_back(
                 attempt.shard,
@@ -121,6 +130,10 @@ class ShardQueue:
         self.running[attempt.id] = attempt
         self.stats.attempts += 1
         return attempt
+
+    def _retire(self, attempt: Attempt) -> None:
+        del self.running[attempt.id]
+        self.retired[attempt.id] = attempt
 
     def _give_back(self, shard: int, error: str) -> None:
         if shard in self.done or self._active(shard):

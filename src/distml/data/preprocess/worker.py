@@ -21,6 +21,7 @@ import threading
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -35,26 +36,42 @@ Transform = Callable[[pa.Table], Any]
 
 
 def load_transform(spec: str) -> Transform:
-    """``package.module:function`` or ``path/to/file.py:function``."""
+    """``package.module:function`` or ``path/to/file.py:function``. Whatever is wrong with it (no
+    such file, a module that fails to import, no such function) is a ValueError naming it: the
+    user's mistake, which a restarted worker would only repeat."""
     module_name, sep, name = spec.rpartition(":")
     if not sep or not module_name or not name:
         raise ValueError(f"name the transform as module:function or file.py:function, got {spec!r}")
-    if module_name.endswith(".py"):
-        path = Path(module_name)
-        if not path.is_file():
-            raise ValueError(f"no file {path} for the transform {spec!r}")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        try:
+    path = Path(module_name)
+    if module_name.endswith(".py") and not path.is_file():
+        raise ValueError(f"no file {path} for the transform {spec!r}")
+    try:
+        if module_name.endswith(".py"):
+            module = _import_file(path)
+        else:
             module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise ValueError(f"cannot import {module_name!r} for the transform: {exc}") from None
+    except Exception as exc:  # a SyntaxError, an ImportError, the module's own error: its words
+        raise ValueError(
+            f"cannot import {module_name!r} for the transform: {type(exc).__name__}: {exc}"
+        ) from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"{module_name} has no function {name!r}")
     return fn
+
+
+def _import_file(path: Path) -> ModuleType:
+    module_spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def worker_name(worker_id: str | None, pid: int) -> str:
+    """How the coordinator knows a worker: one name per process, so that a worker restarted under
+    the same ID does not renew, with its heartbeats, the leases of the process that died (their
+    shards would never return)."""
+    return f"{worker_id or socket.gethostname()}-{pid}"
 
 
 def as_table(result: Any) -> pa.Table:
@@ -89,9 +106,7 @@ def run_worker(
     """Work until the coordinator says stop; returns the number of shards this worker kept.
     The coordinator knows it as ``worker_id`` (default: the host name) and its process ID."""
     fn = load_transform(transform)
-    # One name per process: a worker restarted under the same ID must not renew, with its
-    # heartbeats, the leases of the process that died, or their shards would never return.
-    worker_id = f"{worker_id or socket.gethostname()}-{os.getpid()}"
+    worker_id = worker_name(worker_id, os.getpid())
     client = ServiceClient(url, token, verify=verify)
     job = client.request("GET", "/v1/job").json()
     if job["transform"] != transform:
