@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import typer
 
 from conftest import EXAMPLES, distml_cli
+from distml.cli.messages import report_failure
 
 TRAIN = str(EXAMPLES / "digits" / "train.py")
 GPT = str(EXAMPLES / "gpt" / "train.py")
@@ -38,7 +40,7 @@ GPT = str(EXAMPLES / "gpt" / "train.py")
             "runs on a mesh of dp=N only",
         ),
         (["run", "--model", "layers", GPT], "option 'layers' is not KEY=VALUE"),
-        (["generate", "no-such-run"], "no exported model at no-such-run"),
+        (["generate", "no-such-run"], "no weights at no-such-run"),
         (["run", "--mesh", "xx=2", TRAIN], "NAME=SIZE"),
         (["run", "no/such/script.py"], "no such script: no/such/script.py"),
         (["run", "--nnodes", "2", TRAIN], "needs --rdzv-endpoint"),
@@ -86,3 +88,11 @@ def test_run_module_with_its_arguments(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [(tmp_path / f"out{r}.txt").read_text() for r in (0, 1)] == ["--steps 3 x"] * 2
+
+
+def test_a_failure_is_reported_with_its_cause_and_exits_1(capsys):
+    with pytest.raises(typer.Exit) as raised:
+        report_failure("distml infer failed", RuntimeError("rank 1 (exit code 1)"))
+    assert raised.value.exit_code == 1
+    assert raised.value.__suppress_context__  # the cause is told, not its traceback
+    assert capsys.readouterr().err == "distml infer failed: rank 1 (exit code 1)\n"

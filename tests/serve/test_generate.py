@@ -70,7 +70,7 @@ def test_cli_generates_text(checkpoint, tmp_path):
 def test_a_checkpoint_that_does_not_fit_the_config_is_refused(checkpoint, tmp_path):
     (tmp_path / "model.safetensors").write_bytes((checkpoint / "model.safetensors").read_bytes())
     (tmp_path / "config.toml").write_text("[model]\nlayers = 2\n")
-    with pytest.raises(ConfigError, match="does not fit the model config"):
+    with pytest.raises(ConfigError, match="does not fit a GPT"):
         generate_tokens(tmp_path, [[1, 2]], 1)
     (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ConfigError, match="not a readable safetensors file"):

@@ -1,8 +1,11 @@
 """Distributed batch inference in launched worlds of two processes writes the file one process
 would: the digits CNN over a dataset whose size two does not divide, and the GPT generating
-from prompts of several lengths under tensor parallelism."""
+from prompts of several lengths under tensor parallelism, or from a checkpoint saved sharded
+under pipeline parallelism."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import tomli_w
@@ -11,11 +14,12 @@ import typer
 from safetensors.torch import load_file, save_file, save_model
 from typer.testing import CliRunner
 
+import distml
 from distml.cli.data_spec import parse_data
 from distml.cli.infer import infer as infer_command
 from distml.config import ConfigError, GPTConfig
 from distml.data import digits
-from distml.models import GPT, DigitsCNN
+from distml.models import GPT, DigitsCNN, lm_loss
 from distml.serve.generate import generate_tokens
 from distml.train.infer import read_sequences, write_sequences
 
@@ -84,6 +88,49 @@ def test_batch_generation_under_tp_gives_the_tokens_of_one_process(gpt_run, tmp_
     assert sharded == generate_tokens(gpt_run, ids, 10, batch_size=2)
     for prompt, sequence in zip(ids, sharded, strict=True):  # in input order
         assert sequence[: len(prompt)] == prompt and len(sequence) == len(prompt) + 10
+
+
+def checkpoint_under_tp(ctx: distml.Context, weights: str) -> None:
+    """One step of the GPT at ``weights`` under tp=2, then a checkpoint (its tensors saved
+    sharded) and the run's export of the same weights."""
+    model = GPT(CFG)
+    model.load_state_dict(load_file(weights))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ctx.setup(model, optimizer)
+    x = torch.arange(2 * CFG.seq_len).reshape(2, CFG.seq_len) % CFG.vocab_size
+    ctx.train_step((x, x.roll(-1, dims=1)), loss=lm_loss)
+    ctx.save_checkpoint()
+    ctx.finish()
+
+
+def test_gpt_inference_from_a_checkpoint_folder_equals_that_from_the_export(
+    gpt_run, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # the launched workers' run folders go under ./runs
+    distml.launch(
+        checkpoint_under_tp,
+        str(gpt_run / "model.safetensors"),
+        nproc=2,
+        mesh={"tp": 2},
+        model=CFG.model_dump(),
+        runs_dir=tmp_path,
+        run_name="tp",
+        telemetry={"progress": False},
+    )
+    run = tmp_path / "tp"
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS[:3]) + "\n")
+
+    def infer_gpt(source: Path, out: str, *layout: str) -> list[list[int]]:
+        args = ["infer", str(source), "--model", "gpt", "--prompts", "prompts.txt"]
+        result = CliRunner().invoke(_cli(), [*args, "--tokens", "6", "--out", out, *layout])
+        assert result.exit_code == 0, result.output
+        return read_sequences(out)
+
+    resharded = infer_gpt(run / "checkpoint", "dcp.safetensors", "--nproc", "2", "--mesh", "pp=2")
+    exported = infer_gpt(run / "model.safetensors", "export.safetensors", "--nproc", "1")
+    assert resharded == exported
+    before = generate_tokens(gpt_run, [list(p.encode()) for p in PROMPTS[:3]], 6)
+    assert exported != before  # the step moved the weights: the run's own were read
 
 
 def test_sequences_round_trip_through_one_file(tmp_path):

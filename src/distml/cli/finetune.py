@@ -53,16 +53,15 @@ def finetune(
     from pydantic import ValidationError
 
     from distml.cli.data_spec import parse_data
-    from distml.config import ConfigError, GPTConfig, format_validation_error, parse_mesh
+    from distml.config import ConfigError, format_validation_error, parse_mesh
     from distml.launch.elastic import LaunchError
-    from distml.train.finetune_job import FineTuneSpec, model_settings_near, run_finetune
+    from distml.train.finetune_job import FineTuneSpec, run_finetune, with_gpt_size
 
     settings = {"run_name": run_name, "runs_dir": runs_dir}
     try:
         spec = FineTuneSpec(
             model=model,
             base=base,
-            gpt=GPTConfig(**model_settings_near(base)) if model == "gpt" else None,
             head=head,
             head_module=head_module,
             freeze=freeze or [],
@@ -75,6 +74,7 @@ def finetune(
             lr=lr,
             seed=seed,
         )
+        spec = with_gpt_size(spec)  # its seq_len cuts the data; run_finetune keeps it
         seq_len = spec.gpt.seq_len if spec.gpt is not None else None
         train = parse_data(data, seq_len=seq_len)
         held_out = parse_data(val, seq_len=seq_len) if val is not None else None
@@ -93,5 +93,4 @@ def finetune(
         fail_usage(str(exc))
     except LaunchError as exc:
         report_failure("distml finetune failed", exc)
-        raise typer.Exit(1) from None
     err.print(f"run folder: {Path(summary['export']).parent}", highlight=False)

@@ -149,7 +149,6 @@ def contribute(
         record = hub.contribute(body, base=version, kind=kind)
     except ServiceError as exc:
         report_failure("refused" if exc.status else "hub unreachable", exc)
-        raise typer.Exit(1) from None
     finally:
         hub.close()
     typer.echo(json.dumps(record))
@@ -172,7 +171,6 @@ def versions(hub_url: HubUrl, ca_cert: CaCert = None) -> None:
         log = hub.versions()
     except ServiceError as exc:
         report_failure("hub", exc)
-        raise typer.Exit(1) from None
     finally:
         hub.close()
     typer.echo(json.dumps(log, indent=1))

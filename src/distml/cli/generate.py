@@ -12,7 +12,9 @@ from distml.config import ConfigError, parse_mesh
 
 
 def generate(
-    checkpoint: Annotated[Path, typer.Argument(help="A run folder or its model.safetensors.")],
+    checkpoint: Annotated[
+        Path, typer.Argument(help="A run folder, a checkpoint folder or a .safetensors file.")
+    ],
     prompt: Annotated[str, typer.Option(help="The text to continue.")] = "def ",
     tokens: Annotated[int, typer.Option(help="How many tokens (bytes) to generate.")] = 64,
     nproc: Annotated[int, typer.Option(help="Worker processes.")] = 1,
@@ -33,6 +35,5 @@ def generate(
         fail_usage(str(exc))
     except LaunchError as exc:
         report_failure("distml generate failed", exc)
-        raise typer.Exit(1) from None
     err.print(f"[dim]{nproc} process(es), mesh {mesh or 'none'}[/]", highlight=False)
     print(text)

@@ -75,7 +75,6 @@ def infer(
         fail_usage(str(exc))
     except LaunchError as exc:
         report_failure("distml infer failed", exc)
-        raise typer.Exit(1) from None
     err.print(f"wrote {written}", highlight=False)
 
 
@@ -91,10 +90,9 @@ def _predict(
 ) -> Path:
     from distml.cli.data_spec import parse_data
     from distml.config import ConfigError
-    from distml.train.infer import run_inference
+    from distml.train.infer import run_inference, splits_model
 
-    mesh = settings.get("mesh") or {}
-    if any(mesh.get(k, 1) > 1 for k in ("fsdp", "tp", "pp")):
+    if splits_model(settings["mesh"]):
         raise ConfigError(f"{model} is small enough to run whole on each rank: use dp=N")
     build = partial(build_model, model, head, head_module)
     dataset = parse_data(data, targets=False)

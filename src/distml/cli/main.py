@@ -236,7 +236,6 @@ def run(
             run_workers(cfg, sys.executable, ("-u", *target, *ctx.args))
     except LaunchError as exc:
         report_failure("distml run failed", exc)
-        raise typer.Exit(1) from None
     err.print(f"run folder: {cfg.run_dir}", highlight=False)
 
 
@@ -334,7 +333,6 @@ def demo(
         )
     except (LaunchError, PreprocessError) as exc:
         report_failure("demo failed", exc)
-        raise typer.Exit(1) from None
 
 
 from distml.cli.finetune import finetune  # noqa: E402

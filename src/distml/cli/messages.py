@@ -21,7 +21,9 @@ def fail_usage(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
-def report_failure(what: str, exc: Exception) -> None:
-    """A run that failed: what failed and why (the caller picks the exit code)."""
+def report_failure(what: str, exc: Exception, code: int = 1) -> NoReturn:
+    """A run that failed: what failed and why, and exit ``code``. The cause is already told,
+    so its traceback is left out."""
     err.print(f"[bold red]{what}:[/]", highlight=False, end=" ")
     err.print(str(exc), highlight=False, markup=False, soft_wrap=True)
+    raise typer.Exit(code) from None

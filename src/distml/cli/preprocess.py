@@ -145,7 +145,6 @@ def run(
         fail_usage(str(exc))
     except PreprocessError as exc:
         report_failure("preprocessing failed", exc)
-        raise typer.Exit(1) from None
     manifest = result.manifest
     if as_json:
         print(json.dumps({**manifest, "seconds": result.seconds}))
@@ -181,5 +180,4 @@ def worker(
         fail_usage(str(exc))
     except ServiceError as exc:
         report_failure("worker stopped", exc)
-        raise typer.Exit(1) from None
     typer.echo(f"kept {kept} shard(s)", err=True)

@@ -85,7 +85,6 @@ def start(
         fail_usage(str(exc))
     except TuneError as exc:
         report_failure("distml tune failed", exc)
-        raise typer.Exit(1) from None
     if as_json:
         print(json.dumps(result.to_dict()))
         return
@@ -122,7 +121,6 @@ def worker(
         fail_usage(str(exc))
     except SQLAlchemyError as exc:
         report_failure("distml tune worker failed", exc)
-        raise typer.Exit(1) from None
     print(f"this worker ran {ran} trial(s)")
 
 

@@ -11,48 +11,35 @@ of prompts of one length (:func:`generate_batches`), the answers in input order.
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from distml.config import ConfigError, GPTConfig
 from distml.launch.api import launch
 from distml.models.gpt import GPT, generate
 from distml.runtime.context import Context
+from distml.train.checkpoint import load_weights, model_settings_near, resolve_weights
 
 
 def resolve_checkpoint(path: Path | str) -> tuple[Path, GPTConfig]:
-    """A run folder (its ``model.safetensors`` and the ``[model]`` of its ``config.toml``, or
-    the GPT defaults), or a safetensors file beside such a ``config.toml``."""
-    path = Path(path)
-    weights = path / "model.safetensors" if path.is_dir() else path
-    if not weights.is_file():
-        raise ConfigError(f"no exported model at {weights}")
-    config = weights.parent / "config.toml"
-    model: dict = {}
-    if config.is_file():
-        model = tomllib.loads(config.read_text()).get("model", {})
+    """Where the GPT's weights are, as for any model (:func:`resolve_weights`: a run folder, a
+    checkpoint folder or a safetensors file), and its size: the ``[model]`` of the run's
+    ``config.toml``, or the GPT defaults."""
+    weights = resolve_weights(path)
+    settings = model_settings_near(weights)
     try:
-        return weights, GPTConfig(**model)
+        return weights, GPTConfig(**settings)
     except ValueError as exc:
-        raise ConfigError(f"{config}: [model] is not a GPT config: {exc}") from None
+        raise ConfigError(f"{path}: [model] is not a GPT config: {exc}") from None
 
 
 def load_gpt(weights: Path, cfg: GPTConfig) -> GPT:
-    """The plain GPT with the exported parameters, which must match ``cfg`` exactly."""
+    """The plain GPT with the weights at ``weights`` (whatever layout saved them), which must
+    fit ``cfg`` exactly; every rank calls it when they are a DCP checkpoint."""
     model = GPT(cfg)
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError) as exc:
-        raise ConfigError(f"{weights} is not a readable safetensors file: {exc}") from None
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        raise ConfigError(f"{weights} does not fit the model config {cfg}: {exc}") from None
+    load_weights(model, weights)
     return model
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import tomllib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,21 @@ def resolve_weights(source: Path | str) -> Path:
     raise ConfigError(
         f"no weights at {path}: expected a .safetensors file, a checkpoint folder or a run folder"
     )
+
+
+def model_settings_near(source: Path | str) -> dict[str, Any]:
+    """The ``[model]`` table of the run that ``source`` belongs to: the first ``config.toml``
+    in its folder or the two above (a run folder, its ``checkpoint/``, a ``step_N/``)."""
+    path = Path(source).resolve()
+    folder = path if path.is_dir() else path.parent
+    for candidate in [folder, *folder.parents][:3]:
+        config = candidate / "config.toml"
+        if config.is_file():
+            try:
+                return tomllib.loads(config.read_text()).get("model") or {}
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise ConfigError(f"cannot read {config}: {exc}") from None
+    return {}
 
 
 def _stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:

@@ -16,7 +16,6 @@ exported model then has the adapters merged in, so a plain model with the new he
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -30,7 +29,12 @@ from distml.config import ConfigError, GPTConfig, RunConfig, build_config, forma
 from distml.launch.api import launch
 from distml.models.gpt import lm_loss
 from distml.models.registry import model_spec
-from distml.train.checkpoint import check_weights, load_weights, resolve_weights
+from distml.train.checkpoint import (
+    check_weights,
+    load_weights,
+    model_settings_near,
+    resolve_weights,
+)
 from distml.train.evaluate import LM_METRICS, METRICS
 from distml.train.finetune import (
     add_lora,
@@ -74,19 +78,16 @@ class FineTuneSpec(BaseModel):
     seed: int = 0  # of the new head and the adapters
 
 
-def model_settings_near(source: Path | str) -> dict[str, Any]:
-    """The ``[model]`` table of the run that ``source`` belongs to: the first ``config.toml``
-    in its folder or the two above (a run folder, its ``checkpoint/``, a ``step_N/``)."""
-    path = Path(source).resolve()
-    folder = path if path.is_dir() else path.parent
-    for candidate in [folder, *folder.parents][:3]:
-        config = candidate / "config.toml"
-        if config.is_file():
-            try:
-                return tomllib.loads(config.read_text()).get("model") or {}
-            except (OSError, tomllib.TOMLDecodeError) as exc:
-                raise ConfigError(f"cannot read {config}: {exc}") from None
-    return {}
+def with_gpt_size(spec: FineTuneSpec) -> FineTuneSpec:
+    """``spec`` with the GPT's size, when it gives none, read from the base run's ``[model]``:
+    the size its weights were trained at. Once filled in, the spec is returned as it is."""
+    if spec.model != "gpt" or spec.gpt is not None:
+        return spec
+    try:
+        gpt = GPTConfig(**model_settings_near(spec.base))
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+    return spec.model_copy(update={"gpt": gpt})
 
 
 def build_base(spec: FineTuneSpec) -> nn.Module:
@@ -98,12 +99,9 @@ def build_base(spec: FineTuneSpec) -> nn.Module:
         raise ConfigError(str(exc)) from None
 
 
-def prepare_model(spec: FineTuneSpec, *, load: bool = True) -> tuple[nn.Module, PeftModel | None]:
-    """The model to train: base weights, new head, frozen modules, LoRA adapters, in that
-    order (:mod:`distml.train.finetune`). Without ``load``, the same shapes and names only."""
-    model = build_base(spec)
-    if load:
-        load_weights(model, spec.base)
+def adapt(model: nn.Module, spec: FineTuneSpec) -> tuple[nn.Module, PeftModel | None]:
+    """The spec's changes to the base model: new head, frozen modules, LoRA adapters, in that
+    order (:mod:`distml.train.finetune`)."""
     head = spec.head_module or last_linear(model)
     if spec.head is not None:
         replace_head(model, head, spec.head, seed=spec.seed)
@@ -116,12 +114,20 @@ def prepare_model(spec: FineTuneSpec, *, load: bool = True) -> tuple[nn.Module, 
     return model, add_lora(model, config, seed=spec.seed)
 
 
+def prepare_model(spec: FineTuneSpec) -> tuple[nn.Module, PeftModel | None]:
+    """The model to train: the base with its weights, then the spec's changes."""
+    model = build_base(spec)
+    load_weights(model, spec.base)
+    return adapt(model, spec)
+
+
 def check_spec(spec: FineTuneSpec, run: RunConfig) -> None:
     """Refuse, before any process starts, a fine-tune that cannot run as asked: base weights
     that do not fit, patterns that name nothing, a layout LoRA is not built for, a batch that
     does not split over the ranks."""
-    prepare_model(spec, load=False)  # a pattern that names nothing raises here
-    check_weights(build_base(spec), resolve_weights(spec.base))
+    model = build_base(spec)
+    check_weights(model, resolve_weights(spec.base))
+    adapt(model, spec)  # a pattern that names nothing raises here
     mesh = run.mesh or {"dp": run.world_size}
     data = mesh.get("dp", 1) * mesh.get("fsdp", 1)
     sharded = mesh.get("fsdp", 1) > 1 or mesh.get("tp", 1) > 1 or mesh.get("pp", 1) > 1
@@ -191,11 +197,7 @@ def run_finetune(
 ) -> dict[str, Any]:
     """Fine-tune in ``nproc`` worker processes; returns the run's summary. ``settings`` are
     :class:`distml.config.RunConfig` fields (``run_name``, ``runs_dir``, ``parallel``, ...)."""
-    if spec.model == "gpt" and spec.gpt is None:
-        try:
-            spec = spec.model_copy(update={"gpt": GPTConfig(**model_settings_near(spec.base))})
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc)) from None
+    spec = with_gpt_size(spec)
     if spec.model == "gpt":
         settings.setdefault("model", spec.gpt.model_dump())
     config = build_config(nproc=nproc, mesh=mesh, **settings)

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from distml.config import ConfigError, build_config
 from distml.data.sampler import eval_shard
 from distml.launch.api import launch
+from distml.parallel.mesh import ParallelDims
 from distml.runtime.collectives import all_gather_json
 from distml.train.checkpoint import check_weights, load_weights, resolve_weights
 
@@ -81,6 +82,18 @@ def gather_blocks(block: torch.Tensor | None, device: torch.device) -> torch.Ten
     return torch.cat(blocks) if blocks else None
 
 
+def splits_model(mesh: dict[str, int] | None) -> bool:
+    """Whether batch inference under ``mesh`` splits the model (tp, pp) or the data (dp=N, or
+    no mesh). A mesh that does both, FSDP included, is refused: where the model is split every
+    rank reads the whole dataset, so each data-parallel rank would compute the same outputs."""
+    dims = ParallelDims(**(mesh or {}))
+    if dims.model_parallel and dims.data_parallel > 1:
+        raise ConfigError(
+            "batch inference splits either the data (dp=N) or the model (tp, pp), not both"
+        )
+    return dims.model_parallel
+
+
 def batch_predict(
     ctx: Context, model: nn.Module, dataset: Dataset, *, batch_size: int = 256
 ) -> torch.Tensor | None:
@@ -88,11 +101,7 @@ def batch_predict(
     the others); every rank calls it. ``model`` is the plain model: laid out here by the run's
     mesh when it splits the model, else used whole on this rank's block."""
     model.eval()
-    if ctx.dims.model_parallel:
-        if ctx.data_world > 1:
-            raise ConfigError(
-                "batch inference splits either the data (dp=N) or the model (tp, pp), not both"
-            )
+    if splits_model(ctx.dims.as_dict()):
         ctx.setup(model, None)
         out = predict(
             ctx.forward, dataset, range(len(dataset)), device=ctx.device, batch_size=batch_size
@@ -166,11 +175,6 @@ def run_inference(
         raise ConfigError("the dataset to predict is empty")
     check_weights(build(), resolve_weights(source))
     config = build_config(nproc=nproc, mesh=mesh, **settings)
-    dims = config.mesh or {}
-    splits_model = dims.get("tp", 1) > 1 or dims.get("pp", 1) > 1
-    if dims.get("fsdp", 1) > 1 or (splits_model and dims.get("dp", 1) > 1):
-        raise ConfigError(
-            "batch inference splits either the data (dp=N) or the model (tp, pp), not both"
-        )
+    splits_model(config.mesh)  # refuses a mesh that splits both
     args = (build, str(source), dataset, str(out), batch_size)
     return Path(launch(_inference_worker, *args, config=config))

@@ -1,9 +1,9 @@
 """Exactly ``n_trials`` finished trials (COMPLETE or PRUNED), however many workers share a study.
 
-Optuna's ``MaxTrialsCallback`` stops a worker once the study has ``n_trials`` finished trials,
-which is what makes a resumed job run only what is missing. Alone it overshoots: each worker
-checks after its own trial, so W workers near the end can each start one more. Two rules,
-both read from the database so that they hold across hosts and restarts, close the gap:
+A worker stops once the study has ``n_trials`` finished trials, which is what makes a resumed
+job run only what is missing. That alone (all Optuna's ``MaxTrialsCallback`` does) overshoots:
+each worker checks after its own trial, so W workers near the end can each start one more. Two
+rules, both read from the database so that they hold across hosts and restarts, close the gap:
 
 - Between trials a worker starts another only if a place is free: finished + running trials
   < ``n_trials``, or a queued (WAITING) trial is there to take, which Optuna hands out before
@@ -77,7 +77,7 @@ def gate(trial: optuna.Trial, n_trials: int) -> None:
 
 class BudgetCallback:
     """After each trial: wait until a place is free, or stop this worker once the study needs
-    no more trials."""
+    no more trials, which covers what Optuna's ``MaxTrialsCallback`` would stop at."""
 
     def __init__(self, n_trials: int, grace_s: float):
         self.n_trials = n_trials
@@ -86,11 +86,3 @@ class BudgetCallback:
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         if not wait_for_room(study, self.n_trials, self.grace_s):
             study.stop()
-
-
-def callbacks(n_trials: int, grace_s: float) -> list:
-    """What a worker passes to ``study.optimize``."""
-    return [
-        optuna.study.MaxTrialsCallback(n_trials, states=FINISHED),
-        BudgetCallback(n_trials, grace_s),
-    ]

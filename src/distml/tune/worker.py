@@ -8,7 +8,7 @@ from __future__ import annotations
 import optuna
 
 from distml.config import ConfigError
-from distml.tune.budget import callbacks, gate, wait_for_room
+from distml.tune.budget import BudgetCallback, gate, wait_for_room
 from distml.tune.config import parse_pruner
 from distml.tune.liveness import mark_started
 from distml.tune.objective import load_objective
@@ -58,7 +58,7 @@ def run_worker(
 
     study.optimize(
         run_trial,
-        callbacks=callbacks(settings.n_trials, grace_s),
+        callbacks=[BudgetCallback(settings.n_trials, grace_s)],
         catch=(Exception,),
         gc_after_trial=False,
     )
