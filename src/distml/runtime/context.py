@@ -39,7 +39,7 @@ from distml.runtime.comm_accounting import CommAccounting
 from distml.runtime.progress import Progress
 from distml.runtime.run_files import write_run_files
 from distml.telemetry.energy import open_energy_meter
-from distml.telemetry.memory import ActivationTracker, model_state_bytes
+from distml.telemetry.memory import ActivationTracker, ParameterPeak, model_state_bytes
 from distml.telemetry.recorder import StepRecord, StepRecorder
 from distml.train import checkpoint as ckpt
 from distml.train.evaluate import Metric, evaluate
@@ -113,6 +113,7 @@ class Context:
         self._strategy = None
         self._activations = ActivationTracker()
         self._comm_sample: StepRecord | None = None  # the last step whose collectives were seen
+        self._memory: dict[str, int] | None = None  # the last sampled step's memory (data parallel)
 
     @property
     def model(self) -> nn.Module | None:
@@ -281,6 +282,41 @@ class Context:
         total = _batch_len(batch)
         parts = min(cfg.grad_accum, total)
         micro_batches = _split(batch, parts) if parts > 1 else [batch]
+        # Memory is counted as under a layout: on sampled steps, repeated in between. A
+        # parameter-server worker holds no optimizer state of its own.
+        sampled = not self.ps and (self._memory is None or self._sampled_step())
+        if sampled:
+            self._activations.reset()
+        activations = self._activations if sampled else nullcontext()
+        with activations:
+            losses = self._accumulate(micro_batches, compute_loss, total)
+        self._strategy.after_backward()
+        backward_done = time.perf_counter()
+        if self.ps:  # the servers step; this worker pushes and pulls
+            rec.add_exposed(self._strategy.step(self.step))
+        elif self._scaler is not None:
+            self._scaler.step(self.optimizer)
+            self._scaler.update()
+        else:
+            self.optimizer.step()
+        if sampled:
+            self._memory = model_state_bytes(self.model, self.optimizer)
+            self._memory["activations"] = self._activations.peak_bytes
+        self.optimizer.zero_grad(set_to_none=True)
+        rec.add_exposed(self._strategy.after_optimizer_step())
+        value = float(sum(losses)) if parts > 1 else losses[0].item()
+        record = rec.end_step(self.step, value, total, backward_done, memory=self._memory)
+        self._last_compute = record.compute_s - slept
+        self.step += 1
+        self._progress.update(self.step, value, total * self.world_size / max(record.step_s, 1e-9))
+        return value
+
+    def _accumulate(
+        self, micro_batches: list[Any], compute_loss: Callable[[Any], torch.Tensor], total: int
+    ) -> list[torch.Tensor]:
+        """Forward and backward of each micro-batch, DDP synchronising on the last only; the
+        micro-batches' losses, each weighted by its share of the batch when there are several."""
+        parts = len(micro_batches)
         losses = []
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
@@ -294,28 +330,17 @@ class Context:
                 else:
                     loss.backward()
                 losses.append(loss.detach())
-        self._strategy.after_backward()
-        backward_done = time.perf_counter()
-        if self.ps:  # the servers step; this worker pushes and pulls
-            rec.add_exposed(self._strategy.step(self.step))
-        elif self._scaler is not None:
-            self._scaler.step(self.optimizer)
-            self._scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        rec.add_exposed(self._strategy.after_optimizer_step())
-        value = float(sum(losses)) if parts > 1 else losses[0].item()
-        record = rec.end_step(self.step, value, total, backward_done)
-        self._last_compute = record.compute_s - slept
-        self.step += 1
-        self._progress.update(self.step, value, total * self.world_size / max(record.step_s, 1e-9))
-        return value
+        return losses
+
+    def _sampled_step(self) -> bool:
+        """Steps 0 and 1 and every ``telemetry.comm_sample_every``-th."""
+        return self.step < 2 or self.step % self.config.telemetry.comm_sample_every == 0
 
     def _layout_step(self, batch: Any, loss: Loss | None, compute_loss: Callable | None) -> float:
         """A step under a model-parallel layout. On the steps ``telemetry.comm_sample_every``
         picks (and steps 0 and 1) every collective is intercepted as it happens, the saved
-        activations are tracked and the model state is counted before the gradients go.
+        activations are tracked and the model state is counted before the gradients go, the
+        parameters at their largest (the end of a forward, under ZeRO-2).
 
         Intercepting means a Python dispatch mode that sees every operator (about a third of a
         small model's step on the CPU), so it samples: a fixed layout and batch shape move the
@@ -328,15 +353,15 @@ class Context:
         slept = self._simulate_straggler()
         batch = _to(batch, self.device)
         strategy: ModelParallel = self._strategy
-        every = self.config.telemetry.comm_sample_every
-        sampled = self.step < 2 or self.step % every == 0 or self._comm_sample is None
+        sampled = self._sampled_step() or self._comm_sample is None
         comm = CommAccounting(rec.add_comm) if sampled else nullcontext()
         # Saved-tensor hooks on every activation cost as much as a few percent of a step: the
         # activations' peak is measured on the sampled steps too, and repeated in between.
         activations = self._activations if sampled else nullcontext()
+        params = ParameterPeak(self.model) if sampled else nullcontext()
         if sampled:
             self._activations.reset()
-        with comm, activations:
+        with comm, activations, params:
             value = strategy.forward_backward(batch, loss, compute_loss, self._autocast, _split)
             backward_done = time.perf_counter()
             self.optimizer.step()
@@ -348,6 +373,7 @@ class Context:
         # sampling (iterating every shard costs a few ms), repeat it in between.
         if sampled:
             memory = model_state_bytes(self.model, self.optimizer)
+            memory["params"] = max(memory["params"], params.peak_bytes)
             memory["activations"] = self._activations.peak_bytes
         else:
             memory = dict(self._comm_sample.memory_bytes)

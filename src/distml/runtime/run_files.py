@@ -47,6 +47,8 @@ def write_run_files(ctx: Context, eval_metrics: dict[str, float]) -> dict[str, A
         full = ctx.full_state_dict()
     elif ctx.model is not None:
         summary["param_norm"] = param_norm(ctx._module())
+        if memory := memory_per_rank(per_rank):  # none for a parameter-server worker
+            summary["memory_per_rank"] = memory
     if ctx.rank != 0:
         return summary
     run_dir = ctx.run_dir

@@ -39,6 +39,28 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None)
     }
 
 
+class ParameterPeak:
+    """``with ParameterPeak(model):`` the parameter bytes ``model`` holds at the end of each of
+    its forwards. FSDP with ``reshard_after_forward=False`` (ZeRO-2) keeps the whole parameters
+    from forward until backward, and the root module's always: memory that a count at rest,
+    after the optimizer step, does not see."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.peak_bytes = 0
+        self._handle = None
+
+    def _count(self, module: nn.Module, args: object, output: object) -> None:
+        self.peak_bytes = max(self.peak_bytes, tensor_bytes(module.parameters()))
+
+    def __enter__(self) -> ParameterPeak:
+        self._handle = self.model.register_forward_hook(self._count)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.remove()
+
+
 def _is_parameter(t: torch.Tensor) -> bool:
     """A parameter, or a view of one (a matmul saves its weight transposed)."""
     base = t._base if t._base is not None else t
@@ -46,7 +68,13 @@ def _is_parameter(t: torch.Tensor) -> bool:
 
 
 class _Saved:
-    """What autograd holds instead of the tensor; its death releases the count."""
+    """What autograd holds instead of the tensor; its death releases the count.
+
+    It keeps the tensor detached: a saved output holding its own ``grad_fn`` would close a
+    cycle through autograd's C++ graph that Python's collector cannot see, and a graph that is
+    never run backward (a pipeline stage's shape inference) would then live, and be counted,
+    for ever.
+    """
 
     __slots__ = ("tensor", "key", "tracker")
 
@@ -79,7 +107,7 @@ class ActivationTracker:
     def _pack(self, t: torch.Tensor) -> _Saved:
         local = _local(t)
         if _is_parameter(t) or local.device.type == "meta":
-            return _Saved(t, None, self)
+            return _Saved(t.detach(), None, self)
         storage = local.untyped_storage()
         key = storage.data_ptr()
         entry = self._refs.get(key)
@@ -89,7 +117,7 @@ class ActivationTracker:
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         else:
             entry[0] += 1
-        return _Saved(t, key, self)
+        return _Saved(t.detach(), key, self)
 
     @staticmethod
     def _unpack(saved: _Saved) -> torch.Tensor:
