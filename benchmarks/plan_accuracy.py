@@ -3,19 +3,22 @@
     python benchmarks/plan_accuracy.py [--steps 8] [--repeats 3] [--layouts ddp4,fsdp4,...]
 
 First ``distml bench``'s measurement runs in a world of 4 workers (matmul FLOP/s per worker
-while all 4 compute, all-reduce bus bandwidth, latency) and becomes the cluster the cost model
-reads. Then, for each layout of ``benchmarks/model_parallel.py`` (the same GPT, batch and
-micro-batches, fp32, AdamW), :func:`distml.plan.cost_model.predict` gives the step time and
-the memory per device, and a world of 4 workers trains the layout through ``ctx.setup`` and
-measures them: the median step over ``--repeats`` blocks of ``--steps`` steps, and the largest
-rank's model state and activation peak from its summary. The table prints both, with the
-error of the prediction. Goals: step time within 15%, memory within 10%.
+while all 4 compute, collectives, latency) with the benchmark's GPT, batch and micro-batches
+given, so that it also profiles the pieces of that model's step (:mod:`distml.plan.profile`);
+that is the cluster the cost model reads. Then, for each layout of
+``benchmarks/model_parallel.py`` (fp32, AdamW), :func:`distml.plan.cost_model.predict` gives the
+step time and the memory per device, and a world of 4 workers trains the layout through
+``ctx.setup`` and measures them: the median step over ``--repeats`` blocks of ``--steps`` steps,
+and the largest rank's model state and activation peak from its summary. The table prints both,
+with the error of the prediction, and the error the formulas alone (the matmul rate, no
+profile) would make. Goals: step time within 15%, memory within 10%.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -36,8 +39,6 @@ import distml  # noqa: E402
 from distml.plan.auto import gpt_params, layout_of, model_spec, training_for  # noqa: E402
 from distml.plan.bench import cluster_from_dict, measure  # noqa: E402
 from distml.plan.cost_model import predict  # noqa: E402
-
-DEFAULT_LAYOUTS = "ddp4,fsdp4,tp4,pp4,fsdp2xtp2,dp2xpp2"
 
 
 def worker(ctx: distml.Context, steps: int, repeats: int) -> dict:
@@ -60,20 +61,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="timed steps per block")
     parser.add_argument("--repeats", type=int, default=3, help="timed blocks per layout")
-    parser.add_argument("--layouts", default=DEFAULT_LAYOUTS)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
     n_params = gpt_params(MODEL)
     model = model_spec(MODEL, n_params)
     results: dict[str, dict] = {}
     with scratch_dir("distml-bench-plan-") as runs:
         bench = distml.launch(
-            lambda ctx: measure(),
+            lambda ctx: measure(gpt=MODEL, global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES),
             nproc=4,
             runs_dir=runs,
             run_name="bench",
             telemetry={"progress": False},
         )
         cluster = cluster_from_dict(bench)
+        formulas = replace(cluster, calibration=None)
         print(f"cluster: {bench['device']}", flush=True)
         for name in args.layouts.split(","):
             mesh, par = LAYOUTS[name]
@@ -81,6 +83,7 @@ def main() -> None:
             recompute = par.get("activation_checkpointing", "none")
             training = training_for(layout, GLOBAL_BATCH, MICROBATCHES, "fp32", recompute)
             pred = predict(model, cluster, training, layout)
+            uncalibrated = predict(model, formulas, training, layout)
             out = launch_layout(name, runs, worker, args.steps, args.repeats)
             mem = out["memory"]
             state = max((m["params"] + m["grads"] + m["optimizer"] for m in mem), default=None)
@@ -90,6 +93,8 @@ def main() -> None:
                 "layout": vars(layout),
                 "predicted": {
                     "step_s": pred.step_time_s,
+                    "step_s_formulas": uncalibrated.step_time_s,
+                    "notes": pred.notes,
                     "compute_s": pred.compute_s,
                     "comm_exposed_s": pred.comm_exposed_s,
                     "bubble": pred.bubble_fraction,
@@ -113,6 +118,7 @@ def main() -> None:
             f"{p['step_s'] * 1e3:.1f}",
             f"{m['step_s'] * 1e3:.1f}",
             f"{error(p['step_s'], m['step_s']):+.0%}",
+            f"{error(p['step_s_formulas'], m['step_s']):+.0%}",
         ]
         for key in ("state_bytes", "activation_bytes"):
             if key in m:
@@ -121,7 +127,7 @@ def main() -> None:
                     f"{m[key] / 2**20:.2f}",
                     f"{error(p[key], m[key]):+.0%}",
                 ]
-            else:  # DDP keeps no per-rank memory accounting
+            else:
                 row += ["-", "-", "-"]
         rows.append(row)
     print_table(
@@ -132,6 +138,7 @@ def main() -> None:
             "step ms (pred)",
             "step ms (meas)",
             "error",
+            "error, formulas only",
             "state MiB (pred)",
             "state MiB (meas)",
             "error",

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import tomllib
 
+import tomli_w
 from typer.testing import CliRunner
 
 from conftest import distml_cli
 from distml.cli.main import app
+from distml.config import GPTConfig
+from distml.plan.auto import choose_layout, gpt_params, profile_shapes, sharded_profile_shapes
+from distml.plan.bench import read_cluster_file
 
 MODEL = [
     "--layers",
@@ -26,8 +30,16 @@ MODEL = [
 ]
 
 
+GPT = GPTConfig(vocab_size=64, seq_len=16, layers=2, hidden=32, heads=2)
+
+
 def test_bench_writes_a_cluster_file_the_planner_reads(tmp_path):
-    proc = distml_cli("bench", "--out", "cluster.toml", cwd=tmp_path, timeout=180)
+    run = {"model": GPT.model_dump(), "parallel": {"microbatches": 2}}
+    (tmp_path / "run.toml").write_text(tomli_w.dumps(run))
+    proc = distml_cli(
+        "bench", "--out", "cluster.toml", "--config", "run.toml", "--global-batch", "4",
+        cwd=tmp_path, timeout=300,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = tomllib.loads((tmp_path / "cluster.toml").read_text())
     dev = data["device"]
@@ -39,6 +51,19 @@ def test_bench_writes_a_cluster_file_the_planner_reads(tmp_path):
     assert out.exit_code == 0, out.output
     layouts = json.loads(out.output)["layouts"]
     assert {r["layout"]["dp"] * r["layout"]["tp"] * r["layout"]["pp"] for r in layouts} == {2}
+
+    # The calibration: a block at every (micro-batch, tensor degree) a layout of 2 runs, an FSDP
+    # unit for every sharded one, and the planner then times each layout from them.
+    cal = data["calibration"]
+    assert set(cal["blocks"]) == {f"{b}x{t}" for b, t in profile_shapes(GPT, 2, 4, 2)}
+    assert set(cal["sharded_stages"]) == {
+        "x".join(map(str, key)) for key in sharded_profile_shapes(GPT, 2, 4, 2)
+    }
+    assert all(0 < v["fwd_s"] < v["fwdbwd_s"] for v in cal["blocks"].values())
+    assert cal["share"] >= 1 and cal["optimizer_s_per_param"] > 0
+    cluster = read_cluster_file(tmp_path / "cluster.toml")
+    choice = choose_layout(GPT, cluster, global_batch=4, microbatches=2, n_params=gpt_params(GPT))
+    assert all("step time from the calibration" in p.notes for p in choice.ranked)
 
 
 def test_a_broken_cluster_file_is_refused(tmp_path):

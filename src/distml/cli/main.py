@@ -266,7 +266,7 @@ def _planned_config(
     par = cfg.parallel
     choice = choose_layout(
         model,
-        Cluster(measured.device, cfg.world_size, cfg.nproc),
+        Cluster(measured.device, cfg.world_size, cfg.nproc, measured.calibration),
         global_batch=global_batch,
         microbatches=par.microbatches,
         precision=cfg.strategy.mixed_precision,

@@ -128,14 +128,33 @@ def bench(
     out: Annotated[Path, typer.Option(help="Where to write the cluster file.")] = Path(
         "cluster.toml"
     ),
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="A run config (TOML) whose GPT ([model]) and micro-batches ([parallel]) to "
+            "calibrate the planner for: its step's pieces are profiled under every layout."
+        ),
+    ] = None,
+    global_batch: Annotated[
+        int, typer.Option(min=1, help="The global batch of the calibrated runs.")
+    ] = 16,
 ) -> None:
-    """Measure this machine (matmul FLOP/s, all-reduce and point-to-point bandwidth, latency,
-    memory) and write a cluster file that `distml plan --cluster` reads."""
+    """Measure this machine (matmul FLOP/s, collectives, point-to-point bandwidth, latency,
+    memory) and write a cluster file that `distml plan --cluster` and `distml run --strategy
+    auto` read; with --config, also profile that model's step for the planner."""
+    from distml.config import ConfigError, GPTConfig, load_config
     from distml.launch.api import launch
     from distml.plan.bench import measure, write_cluster_file
 
+    gpt, microbatches = None, 1
+    if config is not None:
+        try:
+            run = load_config(config)
+        except ConfigError as exc:
+            fail_usage(str(exc))
+        gpt, microbatches = run.model or GPTConfig(), run.parallel.microbatches
     result = launch(
-        lambda ctx: measure(),
+        lambda ctx: measure(gpt=gpt, global_batch=global_batch, microbatches=microbatches),
         nproc=nproc,
         runs_dir=Path("runs"),
         run_name=f"bench-{nproc}",
@@ -148,6 +167,12 @@ def bench(
         f"{dev['intra_bw'] / 1e9:.2f} GB/s, point-to-point {result['measured']['p2p_bw'] / 1e9:.2f}"
         f" GB/s, latency {dev['latency_s'] * 1e6:.0f} us -> {out}"
     )
+    if gpt is not None:
+        cal = result["calibration"]
+        Console().print(
+            f"calibrated for the GPT of {config}: {len(cal['blocks'])} block shapes and "
+            f"{len(cal['sharded_stages'])} FSDP stages profiled"
+        )
 
 
 def simulate(

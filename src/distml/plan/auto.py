@@ -11,6 +11,7 @@ plain replication (ZeRO-0). distml has no ZeRO-1, so the search leaves it out.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,20 @@ def gpt_params(cfg: GPTConfig) -> int:
 
 
 def model_spec(cfg: GPTConfig, n_params: float | None = None) -> ModelSpec:
-    return ModelSpec(cfg.layers, cfg.hidden, cfg.heads, cfg.seq_len, cfg.vocab_size, n_params)
+    """How :class:`distml.models.GPT` stands for the cost model: no dropout, attention through
+    torch's fused kernel, embeddings and head whole on every tensor rank, the head untied."""
+    return ModelSpec(
+        cfg.layers,
+        cfg.hidden,
+        cfg.heads,
+        cfg.seq_len,
+        cfg.vocab_size,
+        n_params,
+        dropout=False,
+        fused_attention=True,
+        vocab_parallel=False,
+        embedding_params=(cfg.vocab_size + cfg.seq_len) * cfg.hidden,
+    )
 
 
 def layout_of(mesh: dict[str, int], parallel: dict[str, Any] | None = None) -> Layout:
@@ -76,6 +90,58 @@ def training_for(
     return Training(global_batch, max(micro, 1), precision, "adam", recompute)
 
 
+def distml_layouts(
+    cfg: GPTConfig,
+    devices: int,
+    global_batch: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    chunks: int = 1,
+) -> Iterator[Layout]:
+    """Every layout of ``devices`` workers a distml mesh can run this GPT and batch under:
+    dp x tp x pp = devices, tp dividing the heads, pp at most the layers, a batch that splits
+    into the replicas (and, under a pipeline, into ``microbatches``), ZeRO 0, 2 or 3."""
+    for tp in divisors(devices):
+        for pp in divisors(devices // tp):
+            dp = devices // (tp * pp)
+            if cfg.heads % tp or pp > cfg.layers or global_batch % dp:
+                continue
+            if pp > 1 and (global_batch // dp) % microbatches:
+                continue
+            for zero in ZERO_STAGES if dp > 1 else (0,):
+                yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, schedule=schedule, chunks=chunks)
+
+
+def profile_shapes(
+    cfg: GPTConfig, devices: int, global_batch: int, microbatches: int
+) -> set[tuple[int, int]]:
+    """The (micro-batch, tensor degree) pairs the layouts of :func:`distml_layouts` compute
+    blocks at: what ``distml bench`` profiles for this model."""
+    return {
+        (training_for(layout, global_batch, microbatches).micro_batch, layout.tp)
+        for layout in distml_layouts(cfg, devices, global_batch, microbatches)
+    }
+
+
+def sharded_profile_shapes(
+    cfg: GPTConfig, devices: int, global_batch: int, microbatches: int
+) -> set[tuple[int, int, int, int, int]]:
+    """The (micro-batch, tensor degree, data degree, ZeRO stage, blocks a stage) of the FSDP
+    stages those layouts run: with more than one data-parallel rank, ZeRO 2 and 3, and ZeRO-0
+    under model parallelism (replicated FSDP units; DDP without)."""
+    return {
+        (
+            training_for(lay, global_batch, microbatches).micro_batch,
+            lay.tp,
+            lay.dp,
+            lay.zero,
+            round(cfg.layers / lay.pp),
+        )
+        for lay in distml_layouts(cfg, devices, global_batch, microbatches)
+        if lay.dp > 1 and (lay.zero or lay.tp > 1 or lay.pp > 1)
+    }
+
+
 @dataclass
 class Choice:
     mesh: dict[str, int]
@@ -104,17 +170,9 @@ def choose_layout(
     model = model_spec(cfg, n_params)
     n = cluster.devices
     preds = []
-    for tp in divisors(n):
-        for pp in divisors(n // tp):
-            dp = n // (tp * pp)
-            if cfg.heads % tp or pp > cfg.layers or global_batch % dp:
-                continue
-            if pp > 1 and (global_batch // dp) % microbatches:
-                continue
-            for zero in ZERO_STAGES if dp > 1 else (0,):
-                layout = Layout(dp=dp, tp=tp, pp=pp, zero=zero, schedule=schedule, chunks=chunks)
-                training = training_for(layout, global_batch, microbatches, precision, recompute)
-                preds.append(predict(model, cluster, training, layout))
+    for layout in distml_layouts(cfg, n, global_batch, microbatches, schedule, chunks):
+        training = training_for(layout, global_batch, microbatches, precision, recompute)
+        preds.append(predict(model, cluster, training, layout))
     fits = [p for p in preds if p.memory_bytes["total"] <= cluster.device.memory_bytes]
     too_big = [p for p in preds if p not in fits]
     if not preds:

@@ -18,6 +18,8 @@ import tomli_w
 import torch
 import torch.distributed as dist
 
+from distml.config import GPTConfig
+from distml.plan.calibration import Calibration
 from distml.plan.cost_model import Cluster, Device
 
 
@@ -83,8 +85,15 @@ def network(device: torch.device, sizes_mb=(1, 4, 16), repeats: int = 5) -> dict
     return {"allreduce_bus_bw": out[0].item(), "p2p_bw": out[1].item(), "latency_s": out[2].item()}
 
 
-def measure(watts_per_core: float = 10.0) -> dict[str, Any]:
-    """Run inside every worker of a launched world; rank 0's result describes the machine."""
+def measure(
+    watts_per_core: float = 10.0,
+    gpt: GPTConfig | None = None,
+    global_batch: int = 16,
+    microbatches: int = 8,
+) -> dict[str, Any]:
+    """Run inside every worker of a launched world; rank 0's result describes the machine.
+    With ``gpt``, also the pieces of its step under every layout of this world with that batch
+    (:mod:`distml.plan.profile`), as the cluster file's ``[calibration]``."""
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
@@ -100,6 +109,15 @@ def measure(watts_per_core: float = 10.0) -> dict[str, Any]:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / dist.get_world_size()
         name = "cpu"
         power = watts_per_core * torch.get_num_threads()
+    calibration = {}
+    if gpt is not None:
+        from distml.plan.auto import profile_shapes, sharded_profile_shapes
+        from distml.plan.profile import profile_gpt
+
+        world = dist.get_world_size()
+        shapes = profile_shapes(gpt, world, global_batch, microbatches)
+        sharded = sharded_profile_shapes(gpt, world, global_batch, microbatches)
+        calibration = {"calibration": profile_gpt(gpt, shapes, sharded, device)}
     return {
         "devices": dist.get_world_size(),
         "devices_per_node": dist.get_world_size(),
@@ -113,6 +131,7 @@ def measure(watts_per_core: float = 10.0) -> dict[str, Any]:
             "power_w": power,
         },
         "measured": {"p2p_bw": net["p2p_bw"], "matmul_n": 1024},
+        **calibration,
     }
 
 
@@ -134,7 +153,13 @@ def cluster_from_dict(data: dict[str, Any]) -> Cluster:
         float(dev["latency_s"]),
         float(dev["power_w"]),
     )
-    return Cluster(device, int(data["devices"]), int(data.get("devices_per_node", 8)))
+    calibration = data.get("calibration")
+    return Cluster(
+        device,
+        int(data["devices"]),
+        int(data.get("devices_per_node", 8)),
+        Calibration.from_dict(calibration) if calibration else None,
+    )
 
 
 def read_cluster_file(path: Path) -> Cluster:

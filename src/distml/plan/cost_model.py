@@ -10,7 +10,13 @@ Formulas, each from where it is published:
   ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes with tensor parallelism t; with sequence parallelism
   ``s*b*h*(34 + 5*a*s/h)/t``; with selective recomputation the ``5as/h`` attention term goes; with
   full recomputation only the layer input ``2*s*b*h`` (divided by t with sequence parallelism).
-  A 1F1B pipeline stage keeps ``p`` micro-batches in flight, GPipe all ``m``.
+  Those counts are 16 tensors of ``s*b*h`` 16-bit values, two 1-byte dropout masks and the
+  ``s x s`` scores; :func:`activation_bytes_per_layer` keeps the tensors apart, so that fp32
+  activations, a model without dropout and a fused attention kernel (which keeps its output and
+  the rows' log-sum-exp instead of the scores, Dao et al. 2022) change only their own terms.
+  Stage i of a 1F1B pipeline keeps ``p - i`` micro-batches in flight, GPipe all ``m``; the first
+  stage also keeps the input embeddings' dropout mask, the last the final norm, the output
+  layer's input and the fp32 logits of the loss (section 4.3).
 - FLOPs per step (Narayanan et al. 2021, section 5.1): ``72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h))``
   without recomputation, ``96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h))`` with full recomputation.
 - Pipeline bubble (Narayanan et al. 2021, section 2.2): ``(p-1)/m`` of the ideal time for GPipe and
@@ -24,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from distml.plan.calibration import Calibration
+
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -35,12 +43,32 @@ class ModelSpec:
     seq: int
     vocab: int
     params: float | None = None  # None: 12*l*h^2 + V*h (blocks and embedding)
+    # How the model is written, as far as memory goes. The defaults are Megatron-LM's GPT, the
+    # model of the papers: dropout, unfused attention, vocabulary split over tensor ranks, and
+    # the output layer tied to the input embedding.
+    dropout: bool = True
+    fused_attention: bool = False
+    vocab_parallel: bool = True
+    embedding_params: float | None = None  # on the first stage; None: V*h
 
     @property
     def n_params(self) -> float:
         if self.params is not None:
             return self.params
         return 12 * self.layers * self.hidden**2 + self.vocab * self.hidden
+
+    @property
+    def layer_params(self) -> float:
+        """One block: four h x h and two h x 4h weights, their biases and two norms."""
+        return 12 * self.hidden**2 + 13 * self.hidden
+
+    @property
+    def edge_params(self) -> tuple[float, float]:
+        """The parameters outside the blocks: (first stage's, last stage's)."""
+        rest = max(0.0, self.n_params - self.layers * self.layer_params)
+        first = self.vocab * self.hidden if self.embedding_params is None else self.embedding_params
+        first = min(first, rest)
+        return first, rest - first
 
 
 @dataclass(frozen=True)
@@ -69,6 +97,8 @@ class Cluster:
     device: Device
     devices: int
     devices_per_node: int = 8
+    # Measured pieces of one model's step on these devices (``distml bench --model ...``).
+    calibration: Calibration | None = None
 
 
 @dataclass(frozen=True)
@@ -122,9 +152,13 @@ def optimizer_bytes_per_param(training: Training) -> float:
 
 
 def model_state_bytes(n_params: float, layout: Layout, training: Training) -> dict[str, float]:
-    """Parameters, gradients and optimizer state held by one device (ZeRO section 3.1)."""
+    """Parameters, gradients and optimizer state held by one device (ZeRO section 3.1), with
+    the model split evenly over tensor and pipeline ranks."""
+    return _state_bytes(n_params / (layout.tp * layout.pp), layout, training)
+
+
+def _state_bytes(local: float, layout: Layout, training: Training) -> dict[str, float]:
     p = BYTES[training.precision]
-    local = n_params / (layout.tp * layout.pp)
     d = layout.dp
     k = optimizer_bytes_per_param(training)
     return {
@@ -134,16 +168,73 @@ def model_state_bytes(n_params: float, layout: Layout, training: Training) -> di
     }
 
 
+def stage_params(model: ModelSpec, layout: Layout, stage: int) -> float:
+    """Parameters one tensor rank of pipeline stage ``stage`` holds: its share of the blocks,
+    plus the embedding on the first stage and the output layer on the last, split over the
+    tensor ranks only when the vocabulary is."""
+    first, last = model.edge_params
+    edge = (first if stage == 0 else 0.0) + (last if stage == layout.pp - 1 else 0.0)
+    blocks = model.layers / layout.pp * model.layer_params
+    return blocks / layout.tp + edge / (layout.tp if model.vocab_parallel else 1)
+
+
 def activation_bytes_per_layer(model: ModelSpec, training: Training, tp: int) -> float:
-    """One transformer layer's stored activations for one micro-batch (Korthikanti et al.)."""
+    """One transformer layer's stored activations for one micro-batch (Korthikanti et al.,
+    section 4.1, term by term).
+
+    Per ``s*b*h`` values: the two norms' inputs and outputs (4 tensors, repeated on every
+    tensor rank unless sequence parallelism splits them); q, k, v, the attention output and the
+    MLP's input and output of GeLU (1 + 1 + 1 + 1 + 4 + 4 = 12, split over tensor ranks; a
+    fused kernel's output is the attention output, the output projection's input); one byte of
+    dropout mask after attention and after the MLP. Per ``a*s*s*b`` (unfused only): the softmax
+    output, its dropout mask and output.
+    """
     s, b, h, a, t = model.seq, training.micro_batch, model.hidden, model.heads, tp
+    e = BYTES[training.precision]
     sp = training.sequence_parallel
     if training.recompute == "full":
-        return 2 * s * b * h / (t if sp else 1)
-    attention = 0.0 if training.recompute == "selective" else 5 * a * s / h
-    if sp:
-        return s * b * h * (34 + attention) / t
-    return s * b * h * (10 + 24 / t + attention / t)
+        return e * s * b * h / (t if sp else 1)
+    masks = 2 if model.dropout else 0
+    replicated = 4 * e + masks
+    split = 12 * e
+    per_token = (replicated + split) / t if sp else replicated + split / t
+    if model.fused_attention:  # the kernel keeps the rows' fp32 log-sum-exp, not the scores
+        attention = 4 * a * s * b / t
+    elif training.recompute == "selective":
+        attention = 0.0
+    else:
+        attention = (2 * e + (1 if model.dropout else 0)) * a * s * s * b / t
+    return s * b * h * per_token + attention
+
+
+def edge_activation_bytes(model: ModelSpec, training: Training, tp: int, stage: str) -> float:
+    """The activations outside the blocks for one micro-batch (Korthikanti et al., section
+    4.3): on the ``"first"`` stage the embeddings' dropout mask; on the ``"last"`` the final
+    norm's input, the output layer's input and the loss's fp32 logits."""
+    s, b, h, v = model.seq, training.micro_batch, model.hidden, model.vocab
+    e = BYTES[training.precision]
+    if stage == "first":
+        return s * b * h / tp if model.dropout else 0.0
+    logits = 4 * s * b * v / (tp if model.vocab_parallel else 1)
+    return 2 * e * s * b * h / (tp if training.sequence_parallel else 1) + logits
+
+
+def activation_bytes(model: ModelSpec, training: Training, layout: Layout, m: int) -> float:
+    """The largest stage's activation peak: stage i keeps ``p - i`` micro-batches in flight
+    under 1F1B (at most m), all m under GPipe; one stage's 1F1B schedule is the pipeline's
+    first stage with p in flight."""
+    per_layer = activation_bytes_per_layer(model, training, layout.tp)
+    layers_here = model.layers / layout.pp
+    peaks = []
+    for i in range(layout.pp):
+        in_flight = m if layout.schedule == "gpipe" else min(m, layout.pp - i)
+        edges = 0.0
+        if i == 0:
+            edges += edge_activation_bytes(model, training, layout.tp, "first") * in_flight
+        if i == layout.pp - 1:
+            edges += edge_activation_bytes(model, training, layout.tp, "last") * in_flight
+        peaks.append(per_layer * layers_here * in_flight + edges)
+    return max(peaks)
 
 
 def training_flops(model: ModelSpec, batch: int, recompute: str) -> float:
@@ -185,19 +276,19 @@ def predict(model: ModelSpec, cluster: Cluster, training: Training, layout: Layo
     device = cluster.device
     p_bytes = BYTES[training.precision]
 
-    memory = model_state_bytes(model.n_params, layout, training)
-    in_flight = m if layout.schedule == "gpipe" else min(m, layout.pp)
-    layers_here = model.layers / layout.pp
-    memory["activations"] = (
-        activation_bytes_per_layer(model, training, layout.tp) * layers_here * in_flight
-    )
+    states = [
+        _state_bytes(stage_params(model, layout, i), layout, training) for i in range(layout.pp)
+    ]
+    memory = max(states, key=lambda state: sum(state.values()))
+    memory["activations"] = activation_bytes(model, training, layout, m)
     memory["total"] = sum(memory.values())
+    layers_here = model.layers / layout.pp
 
     flops = training_flops(model, training.global_batch, training.recompute)
     compute_s = flops / cluster.devices / device.peak_flops
     bubble = bubble_fraction(layout, m)
 
-    local_params = model.n_params / (layout.tp * layout.pp)
+    local_params = max(stage_params(model, layout, i) for i in range(layout.pp))
     grad_bytes = p_bytes * local_params
     dp_collective = {0: "all_reduce", 1: "all_reduce", 2: "reduce_scatter", 3: "reduce_scatter"}
     comm = {
@@ -226,9 +317,19 @@ def predict(model: ModelSpec, cluster: Cluster, training: Training, layout: Layo
     comm_s = critical_s + dp_s
     exposed_s = critical_s + dp_exposed_s
     step = (compute_s + exposed_s) / (1 - bubble)
+    notes = []
+    calibration = cluster.calibration
+    if calibration is not None and calibration.describes(model, training, cluster.devices):
+        measured = calibration.step(model, training, layout, m)
+        if measured is None:
+            notes.append("not calibrated at this micro-batch or group size: formulas")
+        else:
+            compute_s, comm_s, exposed_s = measured.compute_s, measured.comm_s, measured.exposed_s
+            step = measured.step_s
+            bubble = 1 - (compute_s + exposed_s) / step
+            notes.append("step time from the calibration")
     tokens = training.global_batch * model.seq
     model_flops = training_flops(model, training.global_batch, "none")
-    notes = []
     if memory["total"] > device.memory_bytes:
         notes.append(f"needs {memory['total'] / 1e9:.1f} GB of {device.memory_bytes / 1e9:.0f} GB")
     return Prediction(
