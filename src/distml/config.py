@@ -12,7 +12,7 @@ import re
 import time
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -175,6 +175,9 @@ class RunConfig(_Model):
     model: GPTConfig | None = None
     ps: PSConfig = Field(default_factory=PSConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    # Under --strategy auto: the planner's pick and its prediction, which the run's summary and
+    # report set beside what the run measured (distml.plan.auto.plan_record).
+    plan: dict[str, Any] | None = None
 
     @field_validator("run_name")
     @classmethod

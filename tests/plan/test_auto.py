@@ -106,6 +106,15 @@ def test_run_trains_under_the_planners_choice(tmp_path):
     summary = json.loads((tmp_path / "auto" / "summary.json").read_text())
     assert {k: summary["layout"][k] for k in expected.mesh} == expected.mesh
     assert summary["world_size"] == 2
+    # The summary keeps the pick and its prediction beside what the run measured; the report
+    # shows both and a timeline of the predicted step.
+    plan = summary["plan"]
+    assert plan["mesh"] == expected.mesh
+    assert plan["predicted"]["step_time_s"] == pytest.approx(expected.prediction.step_time_s)
+    worst = max(r["total"] for r in summary["memory_per_rank"])
+    assert plan["measured"]["memory_bytes"] == worst and plan["measured"]["step_time_s"] > 0
+    report = (tmp_path / "auto" / "report.html").read_text()
+    assert "<h2>Plan</h2>" in report and report.count("data:image/png") >= 1
 
 
 def test_a_layout_the_config_refuses_gives_way_to_the_next_best(tmp_path):

@@ -247,7 +247,7 @@ def _planned_config(
     the last word: a layout it refuses (too few micro-batches for that many stages, say) gives
     way to the next best."""
     from distml.config import GPTConfig
-    from distml.plan.auto import choose_layout, gpt_params, mesh_of, size
+    from distml.plan.auto import choose_layout, gpt_params, mesh_of, plan_record, size
     from distml.plan.bench import read_cluster_file
     from distml.plan.cost_model import Cluster
 
@@ -288,6 +288,7 @@ def _planned_config(
         except ConfigError as exc:
             refused.append(f"--mesh {mesh}: {exc}")
             continue
+        planned = planned.model_copy(update={"plan": plan_record(pred, par.microbatches)})
         err.print(
             f"--strategy auto: --mesh {mesh}{' --parallel ' + extra if extra else ''} "
             f"(predicted {pred.step_time_s * 1e3:.1f} ms a step, "

@@ -12,7 +12,7 @@ plain replication (ZeRO-0). distml has no ZeRO-1, so the search leaves it out.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from distml.config import ConfigError, GPTConfig
@@ -189,3 +189,23 @@ def choose_layout(
     fits.sort(key=lambda p: p.step_time_s)
     mesh, parallel = mesh_of(fits[0].layout)
     return Choice(mesh, parallel, fits[0], fits, too_big)
+
+
+def plan_record(pred: Prediction, microbatches: int) -> dict[str, Any]:
+    """What a run chosen by the planner keeps of the choice (in its config, so every worker
+    has it): the layout, and the prediction its summary sets beside the measurement."""
+    mesh, parallel = mesh_of(pred.layout)
+    return {
+        "mesh": mesh,
+        "parallel": parallel,
+        "layout": asdict(pred.layout),
+        "microbatches": microbatches,
+        "predicted": {
+            "step_time_s": pred.step_time_s,
+            "compute_s": pred.compute_s,
+            "comm_exposed_s": pred.comm_exposed_s,
+            "bubble_fraction": pred.bubble_fraction,
+            "memory_bytes": pred.memory_bytes,
+        },
+        "notes": pred.notes,
+    }

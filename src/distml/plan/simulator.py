@@ -17,6 +17,10 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,12 @@ def peak_in_flight(tasks: list[Task], stage: int) -> int:
 
 
 def draw_gantt(tasks: list[Task], p: int, path: Path, title: str = "") -> Path:
+    gantt_figure(tasks, p, title).savefig(path, dpi=100)
+    return Path(path)
+
+
+def gantt_figure(tasks: list[Task], p: int, title: str = "", unit: str = "time") -> Figure:
+    """One step's timeline: a row per stage, a bar per forward (F) and backward (B)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 0.5 + 0.45 * p))
@@ -120,11 +130,10 @@ def draw_gantt(tasks: list[Task], p: int, path: Path, title: str = "") -> Path:
         )
     ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
     ax.invert_yaxis()
-    ax.set_xlabel("time")
+    ax.set_xlabel(unit)
     ax.set_title(title or f"{p} stages, bubble {bubble_of(tasks, p):.1%}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return Path(path)
+    return fig
 
 
 def simulate_stragglers(

@@ -6,6 +6,7 @@ Every rank takes part in the gather (a collective); rank 0 writes.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,8 @@ def write_run_files(ctx: Context, eval_metrics: dict[str, float]) -> dict[str, A
         summary["param_norm"] = param_norm(ctx._module())
         if memory := memory_per_rank(per_rank):  # none for a parameter-server worker
             summary["memory_per_rank"] = memory
+    if ctx.config.plan is not None:
+        summary["plan"] = plan_against_run(ctx.config.plan, per_rank, summary)
     if ctx.rank != 0:
         return summary
     run_dir = ctx.run_dir
@@ -72,6 +75,23 @@ def write_run_files(ctx: Context, eval_metrics: dict[str, float]) -> dict[str, A
     if ctx.config.telemetry.progress:
         print_summary(summary)
     return summary
+
+
+def plan_against_run(
+    plan: dict[str, Any], per_rank: list[list[dict[str, Any]]], summary: dict[str, Any]
+) -> dict[str, Any]:
+    """The planner's prediction beside the run's measurement: the median step (the slowest
+    rank's, the first two steps left out as warm-up) and the largest rank's memory."""
+    steps = min((len(records) for records in per_rank), default=0)
+    slowest = [max(records[t]["step_s"] for records in per_rank) for t in range(steps)]
+    timed = slowest[2:] or slowest
+    memory = summary.get("memory_per_rank") or []
+    measured = {
+        "step_time_s": statistics.median(timed) if timed else None,
+        "memory_bytes": max((r["total"] for r in memory), default=None),
+        "activation_bytes": max((r["activations"] for r in memory), default=None),
+    }
+    return {**plan, "measured": measured}
 
 
 def layout_summary(ctx: Context, per_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:

@@ -182,6 +182,61 @@ def _layout_section(summary: dict[str, Any]) -> list[str]:
     return parts
 
 
+def _plan_section(summary: dict[str, Any]) -> list[str]:
+    """A run the planner laid out (``--strategy auto``): its pick, the prediction beside the
+    measurement, and the timeline of one predicted step."""
+    plan = summary.get("plan")
+    if not plan:
+        return []
+    pred, meas = plan["predicted"], plan["measured"]
+
+    def row(name: str, predicted: float | None, measured: float | None, scale: float) -> list:
+        error = f"{(predicted - measured) / measured:+.0%}" if predicted and measured else "-"
+        show = [f"{v * scale:.1f}" if v is not None else "-" for v in (predicted, measured)]
+        return [name, *show, error]
+
+    memory = pred["memory_bytes"]
+    rows = [
+        row("step time (ms)", pred["step_time_s"], meas["step_time_s"], 1e3),
+        row("memory per device (MiB)", memory["total"], meas["memory_bytes"], 2**-20),
+        row("activations (MiB)", memory["activations"], meas["activation_bytes"], 2**-20),
+    ]
+    mesh = ", ".join(f"{k}={v}" for k, v in plan["mesh"].items())
+    parts = [
+        "<h2>Plan</h2>",
+        f"<p>--strategy auto chose --mesh {_esc(mesh)} {_esc(str(plan['parallel'] or ''))}; "
+        f"{_esc('; '.join(plan['notes']))}</p>",
+        _table(["", "predicted", "measured", "error"], rows),
+        _png(_timeline(plan)),
+    ]
+    return parts
+
+
+def _timeline(plan: dict[str, Any]) -> Figure:
+    """One predicted step: a pipeline's schedule (the simulator's), otherwise compute then the
+    exposed communication, to the predicted seconds."""
+    from distml.plan.simulator import gantt_figure, simulate_pipeline
+
+    layout, pred = plan["layout"], plan["predicted"]
+    p, m = layout["pp"], plan["microbatches"]
+    if p > 1 and layout["schedule"] in ("gpipe", "1f1b"):
+        slot = pred["compute_s"] / m  # a micro-batch's forward + backward on a stage
+        tasks = simulate_pipeline(p, m, slot / 3, 2 * slot / 3, schedule=layout["schedule"])
+        return gantt_figure(tasks, p, f"predicted step: {p} stages, {m} micro-batches", "s")
+    fig = Figure(figsize=(8, 1.4), label="predicted step")
+    ax = fig.add_subplot()
+    ax.barh(0, pred["compute_s"], color="#4c72b0", label="compute")
+    ax.barh(
+        0, pred["comm_exposed_s"], left=pred["compute_s"], color="#dd8452", label="exposed comm"
+    )
+    ax.set_yticks([])
+    ax.set_xlabel("s")
+    ax.legend(loc="upper right", fontsize=7)
+    ax.set_title("predicted step")
+    fig.tight_layout()
+    return fig
+
+
 _SHARD_COLUMNS = ("version", "restored_version", "param_bytes", "bytes_pushed", "bytes_pulled")
 
 
@@ -232,6 +287,7 @@ def write_report(run_dir: Path, per_rank: Records, summary: dict[str, Any]) -> P
         parts.append("<h2>Per rank</h2>")
         rows = [[r.get(c) for c in _RANK_COLUMNS] for r in ranks]
         parts.append(_table(list(_RANK_COLUMNS), rows))
+    parts.extend(_plan_section(summary))
     parts.extend(_layout_section(summary))
     parts.extend(_ps_section(summary))
     plots = _plots(per_rank, summary)
