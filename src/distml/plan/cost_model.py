@@ -97,7 +97,7 @@ class Cluster:
     device: Device
     devices: int
     devices_per_node: int = 8
-    # Measured pieces of one model's step on these devices (``distml bench --model ...``).
+    # Measured pieces of one model's step on these devices (``distml bench --config ...``).
     calibration: Calibration | None = None
 
 

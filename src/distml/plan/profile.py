@@ -135,20 +135,31 @@ def collective_costs(repeats: int = 5) -> dict[str, dict[str, list[float]]]:
     return out
 
 
+def _block(cfg: GPTConfig, tp_mesh: Any = None) -> Block:
+    """A block, split by distml's Megatron plan over ``tp_mesh`` when there is one."""
+    block = Block(cfg)
+    if tp_mesh is not None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from distml.parallel.tensor import gpt_block_plan
+
+        parallelize_module(block, tp_mesh, gpt_block_plan(False))
+    return block
+
+
+def _hidden(cfg: GPTConfig, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's input (it needs a gradient, as inside a model) and a gradient of its output."""
+    x = torch.randn(micro_batch, cfg.seq_len, cfg.hidden, requires_grad=True)
+    return x, torch.randn_like(x)
+
+
 def _block_times(
     cfg: GPTConfig, micro_batch: int, tp: int, repeats: int, groups: dict[int, Any]
 ) -> dict[str, float]:
     """One block's forward and forward + backward at ``micro_batch``, split over ``tp`` ranks."""
     torch.manual_seed(0)
-    block = Block(cfg)
-    if tp > 1:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from distml.parallel.tensor import gpt_block_plan
-
-        parallelize_module(block, groups[tp], gpt_block_plan(False))
-    x = torch.randn(micro_batch, cfg.seq_len, cfg.hidden, requires_grad=True)
-    grad = torch.randn_like(x)
+    block = _block(cfg, groups[tp] if tp > 1 else None)
+    x, grad = _hidden(cfg, micro_batch)
 
     def forward() -> None:
         with torch.no_grad():
@@ -175,20 +186,13 @@ def _sharded_stage(
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    blocks = [Block(cfg) for _ in range(k)]
+    blocks = [_block(cfg, mesh["tp"] if tp > 1 else None) for _ in range(k)]
     data = mesh["dp", "fsdp"] if zero == 0 else mesh["dp"]
     for block in blocks:
-        if tp > 1:
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            from distml.parallel.tensor import gpt_block_plan
-
-            parallelize_module(block, mesh["tp"], gpt_block_plan(False))
         fully_shard(block, mesh=data, reshard_after_forward=zero != 2)
     root = fully_shard(nn.Sequential(*blocks), mesh=data, reshard_after_forward=zero != 2)
     opt = torch.optim.AdamW(root.parameters(), lr=1e-3)
-    x = torch.randn(micro_batch, cfg.seq_len, cfg.hidden, requires_grad=True)
-    grad = torch.randn_like(x)
+    x, grad = _hidden(cfg, micro_batch)
 
     def step() -> None:
         root(x).backward(grad)
@@ -230,10 +234,11 @@ def _optimizer_s_per_param(repeats: int, n: int = 2**20) -> float:
 
 def _share(cfg: GPTConfig, micro_batch: int, repeats: int) -> float:
     """A block's forward + backward with every worker computing, over rank 0's alone."""
+    # Timed here, just before the block alone, not taken from the profile: the machine's speed
+    # drifts, and a ratio of two times apart would carry the drift.
     together = _block_times(cfg, micro_batch, 1, repeats, {})["fwdbwd_s"]
-    block = Block(cfg)
-    x = torch.randn(micro_batch, cfg.seq_len, cfg.hidden, requires_grad=True)
-    grad = torch.randn_like(x)
+    block = _block(cfg)
+    x, grad = _hidden(cfg, micro_batch)
     alone = torch.zeros(1, dtype=torch.float64)
     dist.barrier()
     if dist.get_rank() == 0:

@@ -113,7 +113,7 @@ class Context:
         self._strategy = None
         self._activations = ActivationTracker()
         self._comm_sample: StepRecord | None = None  # the last step whose collectives were seen
-        self._memory: dict[str, int] | None = None  # the last sampled step's memory (data parallel)
+        self._memory: dict[str, int] | None = None  # the last sampled step's memory
 
     @property
     def model(self) -> nn.Module | None:
@@ -300,8 +300,7 @@ class Context:
         else:
             self.optimizer.step()
         if sampled:
-            self._memory = model_state_bytes(self.model, self.optimizer)
-            self._memory["activations"] = self._activations.peak_bytes
+            self._count_memory()
         self.optimizer.zero_grad(set_to_none=True)
         rec.add_exposed(self._strategy.after_optimizer_step())
         value = float(sum(losses)) if parts > 1 else losses[0].item()
@@ -331,6 +330,15 @@ class Context:
                     loss.backward()
                 losses.append(loss.detach())
         return losses
+
+    def _count_memory(self, params_peak: int = 0) -> None:
+        """This rank's model state and the tracked activations' peak, kept for the steps until
+        the next sample: model state changes size only when the optimizer creates its state,
+        and iterating every shard costs a few ms. Call before the gradients go. A new dict each
+        time: the step records keep the one of their sample."""
+        self._memory = model_state_bytes(self.model, self.optimizer)
+        self._memory["params"] = max(self._memory["params"], params_peak)
+        self._memory["activations"] = self._activations.peak_bytes
 
     def _sampled_step(self) -> bool:
         """Steps 0 and 1 and every ``telemetry.comm_sample_every``-th."""
@@ -369,19 +377,13 @@ class Context:
             rec.add_exposed(comm.blocked_s)
         else:
             rec.repeat_comm(self._comm_sample, backward_done)
-        # Model state changes size only when the optimizer creates its state: count it when
-        # sampling (iterating every shard costs a few ms), repeat it in between.
         if sampled:
-            memory = model_state_bytes(self.model, self.optimizer)
-            memory["params"] = max(memory["params"], params.peak_bytes)
-            memory["activations"] = self._activations.peak_bytes
-        else:
-            memory = dict(self._comm_sample.memory_bytes)
+            self._count_memory(params.peak_bytes)
         self.optimizer.zero_grad(set_to_none=True)
         pipeline = (strategy.busy_s, strategy.span_s) if strategy.stages else None
         total = _batch_len(batch)
         record = rec.end_step(
-            self.step, value, total, backward_done, memory=memory, pipeline=pipeline
+            self.step, value, total, backward_done, memory=self._memory, pipeline=pipeline
         )
         if sampled:
             self._comm_sample = record
