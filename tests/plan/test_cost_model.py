@@ -76,3 +76,26 @@ def test_data_parallel_traffic_hides_behind_backward_until_it_outlasts_it():
     pred = predict(model, cluster, Training(global_batch=64), Layout(dp=8))
     assert pred.comm_exposed_s == pytest.approx(max(0.0, pred.comm_s - pred.compute_s * 2 / 3))
     assert pred.step_time_s == pytest.approx(pred.compute_s + pred.comm_exposed_s)
+
+
+@pytest.mark.parametrize("tokens", [(2, 16), (4, 32)])
+def test_activations_of_distmls_gpt_are_what_autograd_saves(tokens):
+    # The oracle: the tensors autograd keeps for backward in one process, counted by storage.
+    import torch
+
+    from distml.config import GPTConfig
+    from distml.models import GPT, lm_loss
+    from distml.plan.auto import model_spec
+    from distml.plan.cost_model import activation_bytes
+    from distml.telemetry.memory import ActivationTracker
+
+    batch, seq = tokens
+    cfg = GPTConfig(vocab_size=64, seq_len=seq, layers=3, hidden=64, heads=4)
+    x = torch.randint(0, 64, (batch, seq))
+    tracker = ActivationTracker()
+    with tracker:
+        lm_loss(GPT(cfg)(x), x).backward()
+    predicted = activation_bytes(
+        model_spec(cfg), Training(batch, batch, precision="fp32"), Layout(), m=1
+    )
+    assert predicted == pytest.approx(tracker.peak_bytes, rel=0.01)
