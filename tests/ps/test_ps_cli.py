@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ from conftest import EXAMPLES, distml_cli, wait_for
 from distml.launch.elastic import free_port
 
 TOKEN = "standalone-token-0123456789"
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def test_workers_train_against_standalone_shards(tmp_path):
@@ -124,3 +126,27 @@ def test_ps_serve_refuses_a_missing_or_short_token():
         env={**env, "DISTML_TOKEN": "short"}, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2 and "DISTML_TOKEN" in result.stderr
+
+
+@pytest.mark.parametrize("consistency", ["asp", "ssp:1"])
+def test_asynchronous_workers_claim_batches_so_a_straggler_takes_fewer(tmp_path, consistency):
+    """Each epoch every sample is used once, as with fixed shards, but the slowed worker trains
+    on fewer of them instead of holding the others back (SSP: as many as its bound allows)."""
+    out = tmp_path / "seen"
+    result = distml_cli(
+        "run", "--strategy", "ps", "--consistency", consistency, "--nproc", "2",
+        "--runs-dir", str(tmp_path), "--run-name", "claims",
+        str(SCRIPTS / "ps_claims.py"), "2", str(out), "--slow", "1:0.05",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    fast, slow = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert len(fast) == len(slow) == 2
+    for epoch in range(2):
+        assert sorted(fast[epoch] + slow[epoch]) == list(range(640))  # each sample once
+    taken = [sum(map(len, fast)) // 16, sum(map(len, slow)) // 16]
+    summary = json.loads((tmp_path / "claims" / "summary.json").read_text())
+    assert summary["ps"]["shards"][0]["batches_claimed"] == {"0": taken[0], "1": taken[1]}
+    if consistency == "asp":
+        assert taken[0] >= 2 * taken[1]  # rank 1 sleeps 50 ms a step; rank 0 computes in few
+    else:
+        assert abs(taken[0] - taken[1]) <= 2  # never more than s + 1 claims ahead

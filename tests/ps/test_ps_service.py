@@ -227,3 +227,46 @@ def test_snapshot_round_trip_keeps_parameters_optimizer_state_and_clocks(tmp_pat
             p.grad = grads[n].clone()
         s.optimizer.step()
     assert all(torch.equal(shard.params[n], restored.params[n]) for n in INIT)
+
+
+def claim(client, worker, epoch, batches=5):
+    params = {"worker": worker, "epoch": epoch, "batches": batches}
+    return client.post("/v1/claim", params=params)
+
+
+def test_asynchronous_shards_hand_out_each_batch_of_an_epoch_once(tmp_path):
+    client = client_for(tmp_path, consistency="asp")
+    got = {0: [], 1: []}
+    for worker in (0, 0, 1, 0, 1):
+        got[worker].append(claim(client, worker, epoch=0).json()["batch"])
+    assert got == {0: [0, 1, 3], 1: [2, 4]}  # whoever asks first takes the next one
+    assert claim(client, 1, epoch=0).json() == {"batch": None}  # the epoch is used up
+    assert claim(client, 1, epoch=1).json() == {"batch": 0}  # the next one starts afresh
+    assert client.get("/v1/stats").json()["batches_claimed"] == {"0": 3, "1": 3}
+    # Another epoch length means another dataset or batch size: refused, nothing handed out.
+    assert claim(client, 0, epoch=1, batches=6).status_code == 409
+    for bad in ({"epoch": -1}, {"batches": 0}):
+        assert (
+            client.post(
+                "/v1/claim", params={"worker": 0, "epoch": 0, "batches": 5} | bad
+            ).status_code
+            == 422
+        )
+    assert claim(client, 0, epoch=1).json() == {"batch": 1}
+    assert claim(client, 0, epoch=0).status_code == 200
+    assert (
+        client.post(
+            "/v1/claim?worker=0&epoch=0&batches=5", headers={"Authorization": ""}
+        ).status_code
+        == 401
+    )
+    # A restarted shard goes on from its snapshot's counters.
+    path = save_snapshot(client.shard, tmp_path / "copy.safetensors")
+    restored = ParameterShard(ShardSettings(consistency="asp"))
+    load_snapshot(restored, path)
+    assert restored.claims == {0: 5, 1: 2} and restored.claim(3, 1, 5) == 2
+
+
+def test_bsp_shards_hand_out_no_batches():
+    client = client_for(consistency="bsp")
+    assert claim(client, 0, epoch=0).status_code == 409

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import distml
 from distml.models import MLP
 from distml.telemetry.energy import RaplCounter
-from distml.telemetry.summary import attribute_waits, find_stragglers
+from distml.telemetry.summary import attribute_waits, find_stragglers, summarize
 
 DESIGN_FIELDS = {
     "world_size",
@@ -43,6 +43,24 @@ def test_wait_is_the_gap_to_the_slowest_rank():
     # rank 2's gap is 0.3 s but it saw only 0.1 s exposed: all of that is wait.
     assert [r[0]["sync_wait_s"] for r in per_rank] == pytest.approx([0.5, 0.0, 0.1])
     assert [r[0]["comm_s"] for r in per_rank] == pytest.approx([0.2, 0.2, 0.0])
+
+
+def step(seconds: float, samples: int = 10) -> dict:
+    return {"step_s": seconds, "samples": samples, "loss": 1.0, "compute_s": seconds,
+            "comm_s": 0.0, "sync_wait_s": 0.0, "energy_j": 0.0, "peak_mem_bytes": 0,
+            "comm_bytes": {}, "wire_bytes": {}}  # fmt: skip
+
+
+def test_throughput_of_ranks_in_lockstep_and_of_ranks_that_took_different_shares():
+    # In lockstep each step lasts as long as its slowest rank: 2 steps of 0.3 s, 40 samples.
+    lockstep = summarize([[step(0.1), step(0.3)], [step(0.3), step(0.1)]], 1.25, True)
+    assert lockstep["train_s"] == pytest.approx(0.6)
+    assert lockstep["samples_per_s"] == pytest.approx(40 / 0.6)
+    # Asynchronous workers run side by side: the fast one took 3 batches while the slow one
+    # took 1, and training lasted as long as the busiest of them.
+    apart = summarize([[step(0.1)] * 3, [step(0.3)]], 1.25, True)
+    assert apart["train_s"] == pytest.approx(0.3)
+    assert apart["samples_per_s"] == pytest.approx(40 / 0.3)
 
 
 def test_stragglers_are_ranks_slower_than_factor_times_the_others_median():

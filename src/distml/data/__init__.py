@@ -13,7 +13,7 @@ from distml._lazy import lazy_getattr
 if TYPE_CHECKING:
     from distml.data.datasets import digits
     from distml.data.loader import ShardedLoader
-    from distml.data.sampler import ShardedBatchSampler, eval_shard
+    from distml.data.sampler import ClaimedBatchSampler, ShardedBatchSampler, eval_shard
     from distml.data.text import stdlib_text
 
 __getattr__ = lazy_getattr(
@@ -22,9 +22,17 @@ __getattr__ = lazy_getattr(
         "digits": "distml.data.datasets:digits",
         "ShardedLoader": "distml.data.loader:ShardedLoader",
         "ShardedBatchSampler": "distml.data.sampler:ShardedBatchSampler",
+        "ClaimedBatchSampler": "distml.data.sampler:ClaimedBatchSampler",
         "eval_shard": "distml.data.sampler:eval_shard",
         "stdlib_text": "distml.data.text:stdlib_text",
     },
 )
 
-__all__ = ["digits", "ShardedLoader", "ShardedBatchSampler", "eval_shard", "stdlib_text"]
+__all__ = [
+    "digits",
+    "ShardedLoader",
+    "ShardedBatchSampler",
+    "ClaimedBatchSampler",
+    "eval_shard",
+    "stdlib_text",
+]

@@ -8,11 +8,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from distml.data.sampler import ShardedBatchSampler
+from distml.data.sampler import Claim, ClaimedBatchSampler, ShardedBatchSampler
 
 
 class ShardedLoader:
     """Iterates this rank's batches; ``state_dict()`` records the epoch and position.
+
+    With ``claim``, the batches are not a fixed shard but claimed one at a time
+    (:class:`~distml.data.sampler.ClaimedBatchSampler`).
 
     Each ``iter()`` continues where the last one stopped: a finished epoch moves to the next, an
     interrupted one (or one restored with ``load_state_dict``) continues at its next batch.
@@ -28,11 +31,17 @@ class ShardedLoader:
         shuffle: bool = True,
         seed: int = 0,
         num_workers: int = 0,
+        claim: Claim | None = None,
         **loader_kwargs: Any,
     ):
-        self.sampler = ShardedBatchSampler(
-            len(dataset), batch_size, rank, world_size, shuffle=shuffle, seed=seed
-        )
+        if claim is None:
+            self.sampler = ShardedBatchSampler(
+                len(dataset), batch_size, rank, world_size, shuffle=shuffle, seed=seed
+            )
+        else:
+            self.sampler = ClaimedBatchSampler(
+                len(dataset), batch_size, world_size, claim, shuffle=shuffle, seed=seed
+            )
         # A generator of its own: DataLoader draws a seed each time an iterator is made, and from
         # the global RNG that would shift every later random number (dropout...) after a resume.
         loader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
@@ -53,7 +62,7 @@ class ShardedLoader:
         self._state = {"epoch": epoch + 1, "position": 0}
 
     def _normalise(self, epoch: int, position: int) -> dict[str, int]:
-        if position >= len(self):
+        if self.sampler.epoch_done(position):
             return {"epoch": epoch + 1, "position": 0}
         return {"epoch": epoch, "position": position}
 

@@ -9,6 +9,13 @@ process's gradient. **The rule for a dataset whose size does not divide:** the l
 shuffling, a different set each epoch). No sample is repeated and every rank takes the same number
 of steps, so no rank waits at a barrier for a batch that never comes.
 
+Training under an asynchronous parameter server (:class:`ClaimedBatchSampler`). The same
+epoch order and the same global batches, but no rank owns a slice: each batch of ``batch_size``
+samples goes to whichever rank asks for it next (a counter on the servers hands the batch indices
+out). A fast rank takes more batches than a straggler instead of idling once its shard is done,
+and every sample is still used once an epoch. The epoch has as many batches as the fixed shards
+would give all ranks together, so the rule for sizes that do not divide is the same.
+
 Evaluation (:func:`eval_shard`). Rank r takes a contiguous block of the dataset; the first
 ``len mod N`` ranks take one sample more. Nothing is padded or dropped, so a sum reduced over ranks
 counts every sample exactly once.
@@ -16,7 +23,7 @@ counts every sample exactly once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 
 import torch
 
@@ -59,6 +66,10 @@ class ShardedBatchSampler:
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(self.dataset_len, generator=g)
 
+    def epoch_done(self, position: int) -> bool:
+        """Whether ``position`` batches are the whole epoch."""
+        return position >= len(self)
+
     def __iter__(self) -> Iterator[list[int]]:
         order = self._order()
         global_batch = self.batch_size * self.world_size
@@ -75,6 +86,44 @@ class ShardedBatchSampler:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+
+
+Claim = Callable[[int, int], int | None]
+"""``claim(epoch, batches)``: the index of the next unclaimed batch of that epoch (of
+``batches``), or None once all are taken."""
+
+
+class ClaimedBatchSampler(ShardedBatchSampler):
+    """Yields the batches this rank claims, in the order it claims them, until the epoch runs out.
+
+    ``len()`` is a rank's share were all ranks equally fast; a fast rank trains on more.
+    """
+
+    def __init__(
+        self,
+        dataset_len: int,
+        batch_size: int,
+        world_size: int,
+        claim: Claim,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
+        super().__init__(dataset_len, batch_size, 0, world_size, shuffle=shuffle, seed=seed)
+        self.claim = claim
+        self.batches = super().__len__() * world_size  # of the epoch, over every rank
+
+    def epoch_done(self, position: int) -> bool:
+        return False  # known only when a claim comes back empty
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._order()
+        while (index := self.claim(self.epoch, self.batches)) is not None:
+            self.position += 1
+            start = index * self.batch_size
+            yield order[start : start + self.batch_size].tolist()
+        self.epoch += 1
+        self.position = 0
 
 
 def eval_shard(dataset: Sized, rank: int, world_size: int) -> range:

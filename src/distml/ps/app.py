@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from distml.net import create_app, decode_tensors, encode_tensors, read_body
 from distml.net.tensors import TensorPayloadError
-from distml.ps.shard import NotInitialized, ParameterShard, PushRejected
+from distml.ps.shard import ClaimRejected, NotInitialized, ParameterShard, PushRejected
 from distml.ps.snapshot import load_snapshot, save_snapshot
 
 SAFETENSORS = "application/octet-stream"
@@ -147,6 +147,18 @@ def create_shard_app(
             "X-Wait-S": f"{waited:.6f}",
         }
         return Response(body, media_type=SAFETENSORS, headers=headers)
+
+    @app.post("/v1/claim")
+    async def claim(
+        worker: Worker, epoch: Count, batches: Annotated[int, Query(ge=1, le=2**40)]
+    ) -> dict[str, Any]:
+        """The next training batch of ``epoch`` for ``worker`` (ASP and SSP)."""
+        if shard.settings.consistency == "bsp":
+            raise HTTPException(409, "BSP workers keep fixed shards of the data; nothing to claim")
+        try:
+            return {"batch": shard.claim(worker, epoch, batches)}
+        except ClaimRejected as exc:
+            raise HTTPException(409, str(exc)) from None
 
     @app.get("/v1/state")
     async def state() -> Response:

@@ -316,6 +316,7 @@ def ps_summary(per_rank: list[list[dict]], stats: list[dict[str, Any]]) -> dict[
         "param_bytes",
         "bytes_pushed",
         "bytes_pulled",
+        "batches_claimed",
     )
     return {
         "staleness": {str(k): v for k, v in sorted(staleness.items())},

@@ -18,6 +18,11 @@ In ASP and SSP each push is scaled by 1 / workers, so that one push from each wo
 parameters as far as one BSP step does (exactly as far, for plain SGD). With ``staleness_lr`` the
 learning rate of a push is divided by 1 + its staleness (Zhang et al. 2016).
 
+Under ASP and SSP a shard also hands out the training batches (:meth:`ParameterShard.claim`): a
+counter per epoch gives each batch of the epoch's order to the first worker that asks, so a fast
+worker trains on more of the data instead of idling while a straggler finishes a fixed share.
+BSP's barrier takes one batch from every worker each step; its workers keep fixed shards.
+
 A worker that has not been heard from for ``heartbeat_timeout_s`` leaves the barrier (BSP) and the
 slowest-clock rule (SSP); it is admitted again when it registers. Pushes carry the worker's own
 step counter and are applied at most once: a retried push gets the first answer again.
@@ -42,6 +47,10 @@ Consistency = Literal["bsp", "asp", "ssp"]
 
 class PushRejected(ValueError):
     """A push that does not fit this shard (names, shapes, dtypes, values); nothing applied."""
+
+
+class ClaimRejected(ValueError):
+    """A batch claim for an epoch of another length than the job's."""
 
 
 class NotInitialized(RuntimeError):
@@ -83,6 +92,9 @@ class ParameterShard:
         # SSP: the parameters when the slowest clock last advanced, its version and that clock.
         self._view: tuple[dict[str, torch.Tensor], int, int] | None = None
         self._cond = asyncio.Condition()
+        # Batches handed out: per epoch, how many of its `epoch_batches` are taken.
+        self.claims: dict[int, int] = {}
+        self.epoch_batches: int | None = None
         # Telemetry: what a run's summary reports about its servers.
         self.staleness = Counter()
         self.pushes = Counter()  # applied, accepted, dropped, duplicate
@@ -90,6 +102,7 @@ class ParameterShard:
         self.apply_s: list[float] = []
         self.bytes_pushed = 0
         self.bytes_pulled = 0
+        self.claimed = Counter()  # batches per worker
 
     @property
     def lock(self) -> asyncio.Condition:
@@ -149,6 +162,25 @@ class ParameterShard:
     def finished(self) -> bool:
         """Every worker that registered is done, or gone silent."""
         return bool(self.workers) and not self._live() and not self._absent()
+
+    def claim(self, worker: int, epoch: int, batches: int) -> int | None:
+        """The next batch of ``epoch``, which has ``batches``, for ``worker``; None once they are
+        all handed out. Each batch goes out once. Not under the lock: nothing here awaits, and a
+        claim need not queue behind an optimizer step."""
+        if self.epoch_batches is None:
+            self.epoch_batches = batches
+        elif batches != self.epoch_batches:
+            raise ClaimRejected(
+                f"an epoch of {batches} batches, but this job's have {self.epoch_batches}: "
+                "do the workers load the same dataset with the same batch size?"
+            )
+        self._seen(worker)
+        taken = self.claims.get(epoch, 0)
+        if taken >= batches:
+            return None
+        self.claims[epoch] = taken + 1
+        self.claimed[worker] += 1
+        return taken
 
     # -- parameters -------------------------------------------------------------------------
     async def initialize(self, tensors: dict[str, torch.Tensor], spec: dict[str, Any]) -> bool:
@@ -361,4 +393,5 @@ class ParameterShard:
             "apply_s": {"median": median(self.apply_s), "total": sum(self.apply_s)},
             "bytes_pushed": self.bytes_pushed,
             "bytes_pulled": self.bytes_pulled,
+            "batches_claimed": {str(w): n for w, n in sorted(self.claimed.items())},
         }

@@ -1,8 +1,8 @@
-"""A shard's snapshot: parameters, optimizer state, version and worker clocks in one
-safetensors file (JSON metadata for the rest), written atomically; no pickle.
+"""A shard's snapshot: parameters, optimizer state, version, worker clocks and the batches handed
+out, in one safetensors file (JSON metadata for the rest), written atomically; no pickle.
 
 A shard that restarts loads its latest snapshot; the updates applied after it are lost, at most
-``snapshot_every`` of them.
+``snapshot_every`` of them, and the batches handed out after it are handed out again.
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ def save_snapshot(shard: ParameterShard, path: Path) -> Path:
                 tensors[f"optim/{names[index]}/{key}"] = value
             else:
                 scalars.setdefault(names[index], {})[key] = value
+    claims = dict(shard.claims)  # first: claims change without the lock
     meta = {
+        "claims": {str(e): n for e, n in claims.items()},
+        "epoch_batches": shard.epoch_batches,
         "version": shard.version,
         "optimizer_spec": shard.optimizer_spec,
         "optimizer_scalars": scalars,
@@ -88,3 +91,5 @@ def load_snapshot(shard: ParameterShard, path: Path) -> None:
         int(w): WorkerState(clock=s["clock"], last_answer=s["last_answer"])
         for w, s in meta["workers"].items()
     }
+    shard.claims = {int(e): int(n) for e, n in meta.get("claims", {}).items()}
+    shard.epoch_batches = meta.get("epoch_batches")

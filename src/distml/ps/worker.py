@@ -3,7 +3,8 @@
 
 After backward, the worker pushes its gradients to every shard (in parallel, one connection per
 shard), then pulls the parameters back as soon as the consistency rule lets it, and copies them
-into its model. The local optimizer never steps: the servers own the optimizer state.
+into its model. The local optimizer never steps: the servers own the optimizer state. Under ASP
+and SSP the worker's data loader claims its batches from the first shard, one at a time.
 """
 
 from __future__ import annotations
@@ -103,6 +104,13 @@ class ParameterServerWorker:
             p.grad = None
         self.pull()
         return time.perf_counter() - start
+
+    def claim(self, epoch: int, batches: int) -> int | None:
+        """The next unclaimed batch of ``epoch`` (ASP and SSP: the first shard hands them out)."""
+        answer = self.clients[0].request(
+            "POST", "/v1/claim", params={"worker": self.rank, "epoch": epoch, "batches": batches}
+        )
+        return answer.json()["batch"]
 
     # -- the protocol -----------------------------------------------------------------------
     def _each(self, fn) -> list[Any]:

@@ -231,8 +231,11 @@ class Context:
     ) -> ShardedLoader:
         """This rank's shard of ``dataset``, ``batch_size`` samples per step; resumable.
 
+        Under an asynchronous parameter server (ASP, SSP) the rank has no fixed shard: it claims
+        batches of the shared epoch order from the servers, so a fast rank trains on more of them.
         See :mod:`distml.data.sampler` for the rule on sizes that do not divide.
         """
+        claim = self._claim if self.ps and self.config.ps.consistency != "bsp" else None
         loader = ShardedLoader(
             dataset,
             batch_size,
@@ -240,10 +243,16 @@ class Context:
             self.data_world,
             shuffle=shuffle,
             seed=self.config.seed,
+            claim=claim,
             **kwargs,
         )
         self.loaders.append(loader)
         return loader
+
+    def _claim(self, epoch: int, batches: int) -> int | None:
+        if self._strategy is None:
+            raise RuntimeError("call ctx.setup(model, optimizer) before iterating the dataloader")
+        return self._strategy.claim(epoch, batches)
 
     def train_step(
         self,

@@ -63,8 +63,11 @@ def summarize(
         attribute_waits(per_rank)
     steps = min((len(r) for r in per_rank), default=0)
     rank0 = per_rank[0][:steps] if per_rank else []
-    train_s = sum(max(records[t]["step_s"] for records in per_rank) for t in range(steps))
-    samples = sum(rec["samples"] for records in per_rank for rec in records[:steps])
+    if len({len(r) for r in per_rank}) <= 1:  # in lockstep: a step lasts as long as its slowest
+        train_s = sum(max(records[t]["step_s"] for records in per_rank) for t in range(steps))
+    else:  # asynchronous workers that took different shares of the data: side by side
+        train_s = max(sum(r["step_s"] for r in records) for records in per_rank)
+    samples = sum(rec["samples"] for records in per_rank for rec in records)
     ranks = []
     for rank, records in enumerate(per_rank):
         ranks.append(
