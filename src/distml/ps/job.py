@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from distml.config import CONFIG_ENV, RunConfig, save_config
+from distml.launch.children import ChildProcess, stop_all
 from distml.launch.elastic import ATTEMPT_ENV, LaunchError, WorkerFailure, free_port
 from distml.net import TOKEN_ENV, ServiceClient, ServiceError, decode_tensors
 from distml.ps.worker import SERVERS_ENV
@@ -41,47 +41,20 @@ if TYPE_CHECKING:
 MAX_SERVER_RESTARTS = 10
 
 
-@dataclass
-class Process:
+@dataclass(eq=False)
+class Process(ChildProcess):
     """One shard or worker: how to start it, and its current incarnation."""
 
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log: Path
+    name: str = ""
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
     url: str = ""  # a shard's
-    popen: subprocess.Popen | None = None
-    restarts: int = 0
-    exits: list[int] = field(default_factory=list)
 
     def start(self, attempt: int | None = None, inherit_output: bool = False) -> None:
         env = {**os.environ, **self.env}
         if attempt is not None:
             env[ATTEMPT_ENV] = str(attempt)
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        out = None if inherit_output else open(self.log, "ab")  # noqa: SIM115 (kept by Popen)
-        self.popen = subprocess.Popen(self.argv, env=env, stdout=out, stderr=out)
-        if out is not None:
-            out.close()
-
-    def poll(self) -> int | None:
-        return None if self.popen is None else self.popen.poll()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        self.popen.send_signal(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        super().start(self.argv, env, inherit_output)
 
 
 def shard_argv(config: RunConfig, port: int, snapshot: Path) -> list[str]:
@@ -136,10 +109,10 @@ def run_ps_job(config: RunConfig, argv: list[str]) -> dict[str, Any]:
             snapshot = run_dir / "ps" / f"shard-{k}.safetensors"
             servers.append(
                 Process(
-                    f"shard {k}",
-                    shard_argv(config, port, snapshot),
-                    {TOKEN_ENV: token},
                     run_dir / "logs" / f"ps-shard-{k}.log",
+                    name=f"shard {k}",
+                    argv=shard_argv(config, port, snapshot),
+                    env={TOKEN_ENV: token},
                     url=f"http://127.0.0.1:{port}",
                 )
             )
@@ -151,9 +124,10 @@ def run_ps_job(config: RunConfig, argv: list[str]) -> dict[str, Any]:
     first = (config.node_rank or 0) * config.nproc
     workers = [
         Process(
-            f"worker {rank}",
-            list(argv),
-            {
+            run_dir / "logs" / f"worker-{rank}.log",
+            name=f"worker {rank}",
+            argv=list(argv),
+            env={
                 CONFIG_ENV: str(config_path.resolve()),
                 SERVERS_ENV: ",".join(urls),
                 TOKEN_ENV: token,
@@ -163,7 +137,6 @@ def run_ps_job(config: RunConfig, argv: list[str]) -> dict[str, Any]:
                 "LOCAL_WORLD_SIZE": str(config.nproc),
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
             },
-            run_dir / "logs" / f"worker-{rank}.log",
         )
         for rank in range(first, first + config.nproc)
     ]
@@ -178,8 +151,8 @@ def run_ps_job(config: RunConfig, argv: list[str]) -> dict[str, Any]:
             raise LaunchError(failures, config.max_restarts + 1)
         summary = write_job_files(config, clients, workers, servers, lost)
     finally:
-        for process in workers + servers:
-            process.stop()
+        stop_all(workers, timeout_s=10)
+        stop_all(servers, timeout_s=10)
         for client in clients:
             client.close()
     if failures:

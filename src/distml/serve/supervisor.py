@@ -8,24 +8,19 @@ takes a dead replica out of rotation on its own; restarting it is this file's on
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from distml.launch.children import ChildProcess, stop_all
 from distml.net import TOKEN_ENV
 from distml.net.ports import free_port
-
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -48,54 +43,6 @@ class ReplicaCommand:
         if self.name:
             argv += ["--name", self.name]
         return argv
-
-
-def _die_with_parent() -> None:
-    """Linux: a child gets SIGTERM when the process supervising it dies, even by SIGKILL, so
-    none outlives its deployment or job. (The kernel watches the thread that started the child:
-    start and restart children from a thread that lives as long as they should.)"""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-@dataclass(eq=False)
-class ChildProcess:
-    """A process this one supervises: output appended to ``log``, its exit codes and restarts
-    kept for the supervisor's policy. Serving's replicas and preprocessing's workers are two."""
-
-    log: Path
-    popen: subprocess.Popen | None = None
-    restarts: int = 0
-    exits: list[int] = field(default_factory=list)
-
-    def start(self, argv: list[str], env: dict[str, str]) -> None:
-        with open(self.log, "ab") as out:
-            self.popen = subprocess.Popen(
-                argv, env=env, stdout=out, stderr=out, preexec_fn=_die_with_parent
-            )
-
-    def poll(self) -> int | None:
-        return None if self.popen is None else self.popen.poll()
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").rstrip().splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-def stop_all(processes: Iterable[ChildProcess], timeout_s: float) -> None:
-    """SIGTERM every live process, then SIGKILL those still running ``timeout_s`` later."""
-    live = [p.popen for p in processes if p.popen is not None and p.popen.poll() is None]
-    for popen in live:
-        popen.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for popen in live:
-        try:
-            popen.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            popen.kill()
-            popen.wait()
 
 
 @dataclass(eq=False, kw_only=True)

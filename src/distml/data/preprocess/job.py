@@ -29,9 +29,9 @@ from distml.data.preprocess.output import TMP, OutputDir
 from distml.data.preprocess.queue import ShardQueue
 from distml.data.preprocess.sources import Source, SqlSource, plan
 from distml.data.preprocess.worker import worker_name
+from distml.launch.children import ChildProcess, stop_all
 from distml.net import TOKEN_ENV, BackgroundServer
 from distml.net.ports import free_port
-from distml.serve.supervisor import ChildProcess, stop_all
 
 
 class PreprocessError(RuntimeError):
