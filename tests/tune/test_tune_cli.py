@@ -39,7 +39,7 @@ def test_objective_first_means_start():
     [
         (["no_such_module_xyz:objective", "--trials", "3"], "No module named 'no_such_module_xyz'"),
         (["missing/file.py:objective", "--trials", "3"], "no such objective file"),
-        ([QUADRATIC.replace(":quadratic", ":nope"), "--trials", "3"], "has no 'nope'"),
+        ([QUADRATIC.replace(":quadratic", ":nope"), "--trials", "3"], "has no function 'nope'"),
         (["quadratic", "--trials", "3"], "is not MODULE:FUNCTION"),
         ([QUADRATIC, "--trials", "0"], "n_trials: Input should be greater than or equal to 1"),
         ([QUADRATIC, "--trials", "3", "--workers", "0"], "workers"),

@@ -1,27 +1,17 @@
-"""The user's objective, named by an import path: code never travels between processes.
-
-Every worker imports the objective itself, from ``package.module:function`` or
-``path/to/file.py:function``, so a worker on another host needs the same code there, not a
-pickle of it.
-"""
+"""The user's objective, named by an import path (:mod:`distml.user_code`): every tuning worker
+imports it itself."""
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
-from types import ModuleType
 
 import optuna
 
 from distml.config import ConfigError
+from distml.user_code import FILE_MODULE, UserCodeError, import_function
 
 Objective = Callable[[optuna.Trial], float]
-FILE_MODULE = "_distml_objective_"  # prefix of the modules imported from a file path
 
 
 def objective_spec(objective: str | Objective) -> str:
@@ -53,51 +43,10 @@ def objective_spec(objective: str | Objective) -> str:
 def load_objective(spec: str) -> Objective:
     """Import ``module:function`` or ``file.py:function``; a ConfigError says what is wrong.
 
-    A module is looked up from the working directory too, as ``python -m`` would.
-
     >>> load_objective("math:sqrt")(4.0)
     2.0
     """
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name:
-        raise ConfigError(f"objective {spec!r} is not MODULE:FUNCTION or FILE.py:FUNCTION")
     try:
-        module = _import_file(Path(where)) if where.endswith(".py") else _import_module(where)
-    except ConfigError:
-        raise
-    except Exception as exc:  # the user's module failed while importing: pass its own words on
-        raise ConfigError(f"cannot import objective {spec!r}: {type(exc).__name__}: {exc}") from exc
-    target: object = module
-    for part in name.split("."):
-        if not hasattr(target, part):
-            raise ConfigError(f"objective {spec!r}: {where} has no {name!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ConfigError(f"objective {spec!r} is not callable")
-    return target  # type: ignore[return-value]
-
-
-def _import_module(name: str) -> ModuleType:
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    return importlib.import_module(name)
-
-
-def _import_file(path: Path) -> ModuleType:
-    if not path.is_file():
-        raise ConfigError(f"no such objective file: {path}")
-    resolved = path.resolve()
-    # One module per file, under a name no other import can take.
-    name = FILE_MODULE + hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, resolved)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+        return import_function(spec, "objective")
+    except UserCodeError as exc:
+        raise ConfigError(str(exc)) from exc.__cause__

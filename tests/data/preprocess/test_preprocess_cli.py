@@ -63,8 +63,8 @@ def test_the_command_writes_the_job_and_prints_its_manifest(csv, tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--transform", "nowhere.py:f"], "no file nowhere.py"),
-        (["--transform", "transform_without_colon"], "module:function"),
+        (["--transform", "nowhere.py:f"], "no such transform file: nowhere.py"),
+        (["--transform", "transform_without_colon"], "is not MODULE:FUNCTION"),
         (["--transform", f"{HERE / 'transforms.py'}:nope"], "has no function 'nope'"),
         (["--format", "sql", "--transform", FEATURES], "--sql-table and --sql-key"),
         (["--format", "xml", "--transform", FEATURES], "--format is one of"),

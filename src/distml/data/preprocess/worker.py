@@ -12,16 +12,12 @@ column name to a 1-D sequence or a 2-D array (stored as a fixed-size list column
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
 import socket
 import sys
 import threading
 import traceback
 from collections.abc import Callable, Mapping
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -31,40 +27,16 @@ import pyarrow.parquet as pq
 from distml.data.preprocess.sources import read_shard
 from distml.net.client import ServiceClient, ServiceError
 from distml.net.token import token_from_env
+from distml.user_code import import_function
 
 Transform = Callable[[pa.Table], Any]
 
 
 def load_transform(spec: str) -> Transform:
-    """``package.module:function`` or ``path/to/file.py:function``. Whatever is wrong with it (no
-    such file, a module that fails to import, no such function) is a ValueError naming it: the
-    user's mistake, which a restarted worker would only repeat."""
-    module_name, sep, name = spec.rpartition(":")
-    if not sep or not module_name or not name:
-        raise ValueError(f"name the transform as module:function or file.py:function, got {spec!r}")
-    path = Path(module_name)
-    if module_name.endswith(".py") and not path.is_file():
-        raise ValueError(f"no file {path} for the transform {spec!r}")
-    try:
-        if module_name.endswith(".py"):
-            module = _import_file(path)
-        else:
-            module = importlib.import_module(module_name)
-    except Exception as exc:  # a SyntaxError, an ImportError, the module's own error: its words
-        raise ValueError(
-            f"cannot import {module_name!r} for the transform: {type(exc).__name__}: {exc}"
-        ) from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"{module_name} has no function {name!r}")
-    return fn
-
-
-def _import_file(path: Path) -> ModuleType:
-    module_spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
+    """``package.module:function`` or ``path/to/file.py:function``. Whatever is wrong with it is a
+    ValueError naming it (:func:`distml.user_code.import_function`): the user's mistake, which a
+    restarted worker would only repeat."""
+    return import_function(spec, "transform")
 
 
 def worker_name(worker_id: str | None, pid: int) -> str:
