@@ -169,7 +169,7 @@ def worker(
     ca_cert: Annotated[str | None, typer.Option(help="CA bundle for https.")] = None,
 ) -> None:
     """Work for a coordinator until its job is done (token from DISTML_TOKEN)."""
-    from distml.data.preprocess.worker import run_worker
+    from distml.data.preprocess.worker import JobFailed, run_worker
     from distml.net import ServiceError, token_from_env
 
     try:
@@ -178,6 +178,8 @@ def worker(
         )
     except ValueError as exc:
         fail_usage(str(exc))
+    except JobFailed as exc:
+        report_failure("the job failed", exc)
     except ServiceError as exc:
         report_failure("worker stopped", exc)
     typer.echo(f"kept {kept} shard(s)", err=True)

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from conftest import child_pids, wait_for
 from distml.cli.main import app
-from distml.data.preprocess import CsvSource, plan, preprocess, read_table
+from distml.data.preprocess import CsvSource, PreprocessError, plan, preprocess, read_table
 from distml.data.preprocess.coordinator import Coordinator, create_coordinator_app
 from distml.data.preprocess.job import describe_job
 from distml.data.preprocess.output import OutputDir
@@ -191,6 +191,39 @@ def test_a_remote_worker_busy_when_the_job_ends_is_told_to_stop(csv, tmp_path, m
     stats = job["result"].stats
     assert (stats["speculative"], stats["discarded"]) == (1, 1)
     assert read_table(tmp_path / "out")["id"].to_pylist() == list(range(500))
+
+
+def test_a_remote_worker_stopped_by_a_failed_job_exits_1_with_its_error(csv, tmp_path, monkeypatch):
+    monkeypatch.setenv("PP_ALWAYS_FAIL_AT", "0")  # the first shard's first row is corrupt
+    job: dict = {}
+    up = threading.Event()
+
+    def coordinator() -> None:
+        try:
+            preprocess(
+                CsvSource(path=str(csv), blocksize=2048),
+                FAULTY,
+                tmp_path / "out",
+                workers=0,
+                token=TOKEN,
+                max_attempts=2,
+                on_started=lambda url: (job.update(url=url), up.set()),
+            )
+        except PreprocessError as exc:
+            job["error"] = str(exc)
+
+    thread = threading.Thread(target=coordinator, daemon=True)
+    thread.start()
+    assert up.wait(30)
+    worker = _remote_worker(job["url"], delay_s=0)
+    try:
+        _, stderr = worker.communicate(timeout=60)
+    finally:
+        worker.kill()
+    thread.join(30)
+    assert "row 0 is corrupt" in job["error"]
+    assert worker.returncode == 1, stderr
+    assert "the job failed" in stderr and "row 0 is corrupt" in stderr
 
 
 def _cmdline(pid: int) -> bytes:

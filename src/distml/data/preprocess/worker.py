@@ -67,6 +67,10 @@ def as_table(result: Any) -> pa.Table:
     return pa.table(columns)
 
 
+class JobFailed(RuntimeError):
+    """The coordinator stopped this worker because the job failed (a shard out of attempts)."""
+
+
 def run_worker(
     url: str,
     token: str,
@@ -75,8 +79,9 @@ def run_worker(
     worker_id: str | None = None,
     verify: bool | str = True,
 ) -> int:
-    """Work until the coordinator says stop; returns the number of shards this worker kept.
-    The coordinator knows it as ``worker_id`` (default: the host name) and its process ID."""
+    """Work until the coordinator says stop; returns the number of shards this worker kept, or
+    raises :class:`JobFailed` with the job's error if it stopped because the job failed. The
+    coordinator knows the worker as ``worker_id`` (default: the host name) and its process ID."""
     fn = load_transform(transform)
     worker_id = worker_name(worker_id, os.getpid())
     client = ServiceClient(url, token, verify=verify)
@@ -95,6 +100,8 @@ def run_worker(
         while True:
             answer = client.request("POST", "/v1/claim", json={"worker": worker_id}).json()
             if answer["action"] == "stop":
+                if answer.get("error"):
+                    raise JobFailed(answer["error"])
                 return kept
             if answer["action"] == "wait":
                 stop.wait(answer["seconds"])
@@ -143,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except JobFailed as exc:
+        print(f"error: the job failed: {exc}", file=sys.stderr)
+        return 1
     print(f"worker kept {kept} shard(s)", file=sys.stderr)
     return 0
 
