@@ -247,9 +247,10 @@ def _planned_config(
     the last word: a layout it refuses (too few micro-batches for that many stages, say) gives
     way to the next best."""
     from distml.config import GPTConfig
-    from distml.plan.auto import choose_layout, gpt_params, mesh_of, plan_record, size
+    from distml.plan.auto import choose_layout, gpt_params, mesh_of, plan_record
     from distml.plan.bench import read_cluster_file
     from distml.plan.cost_model import Cluster
+    from distml.telemetry.summary import format_bytes
 
     if not cluster_file.is_file():
         raise ConfigError(
@@ -292,7 +293,7 @@ def _planned_config(
         err.print(
             f"--strategy auto: --mesh {mesh}{' --parallel ' + extra if extra else ''} "
             f"(predicted {pred.step_time_s * 1e3:.1f} ms a step, "
-            f"{size(pred.memory_bytes['total'])} a device; number {rank} of "
+            f"{format_bytes(pred.memory_bytes['total'])} a device; number {rank} of "
             f"{len(choice.ranked)} layouts that fit, {len(choice.too_big)} too big)",
             highlight=False,
         )

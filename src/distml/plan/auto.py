@@ -18,12 +18,9 @@ from typing import Any
 from distml.config import ConfigError, GPTConfig
 from distml.plan.cost_model import Cluster, Layout, ModelSpec, Prediction, Training, predict
 from distml.plan.search import divisors
+from distml.telemetry.summary import format_bytes
 
 ZERO_STAGES = (0, 2, 3)  # the ones a distml mesh can express
-
-
-def size(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def gpt_params(cfg: GPTConfig) -> int:
@@ -182,9 +179,10 @@ def choose_layout(
         )
     if not fits:
         smallest = min(p.memory_bytes["total"] for p in preds)
+        memory = format_bytes(cluster.device.memory_bytes)
         raise ConfigError(
-            f"no layout of {n} workers fits this model in {size(cluster.device.memory_bytes)} "
-            f"per device; the smallest needs {size(smallest)}"
+            f"no layout of {n} workers fits this model in {memory} per device; the smallest "
+            f"needs {format_bytes(smallest)}"
         )
     fits.sort(key=lambda p: p.step_time_s)
     mesh, parallel = mesh_of(fits[0].layout)

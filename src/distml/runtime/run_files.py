@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from distml.runtime.collectives import all_gather_json
-from distml.telemetry.summary import measured_bubble, memory_per_rank, summarize
+from distml.telemetry.summary import format_bytes, measured_bubble, memory_per_rank, summarize
 from distml.train.checkpoint import (
     export_safetensors,
     export_state,
@@ -120,14 +120,6 @@ def layout_summary(ctx: Context, per_rank: list[list[dict[str, Any]]]) -> dict[s
     return out
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def print_summary(summary: dict[str, Any]) -> None:
     table = Table(title=f"distml run {summary['run_name']}", show_header=False)
     table.add_row("world size", str(summary["world_size"]))
@@ -144,7 +136,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         ),
     )
     for name, n in summary["comm_bytes"].items():
-        table.add_row(f"{name} payload per rank", _fmt_bytes(n))
+        table.add_row(f"{name} payload per rank", format_bytes(n))
     if "layout" in summary:
         dims = ("pp", "dp", "fsdp", "tp")
         table.add_row("layout", " x ".join(f"{d}={summary['layout'][d]}" for d in dims))
@@ -153,8 +145,8 @@ def print_summary(summary: dict[str, Any]) -> None:
             table.add_row(
                 "state / activations (max rank)",
                 "{} / {}".format(
-                    _fmt_bytes(max(r["params"] + r["grads"] + r["optimizer"] for r in memory)),
-                    _fmt_bytes(max(r["activations"] for r in memory)),
+                    format_bytes(max(r["params"] + r["grads"] + r["optimizer"] for r in memory)),
+                    format_bytes(max(r["activations"] for r in memory)),
                 ),
             )
         bubble = summary.get("bubble")
