@@ -61,6 +61,11 @@ def test_bench_writes_a_cluster_file_the_planner_reads(tmp_path):
     }
     assert all(0 < v["fwd_s"] < v["fwdbwd_s"] for v in cal["blocks"].values())
     assert cal["share"] >= 1 and cal["optimizer_s_per_param"] > 0
+    # The device's network figures are the profile's fitted all-reduce and send, not a second
+    # timing of them: bus bandwidth 2 (w - 1) / w x beta at w = 2, latency alpha.
+    alpha, beta = cal["collectives"]["all_reduce"]["2"]
+    assert (dev["intra_bw"], dev["latency_s"]) == (beta, alpha)
+    assert data["measured"]["p2p_bw"] == cal["collectives"]["p2p"]["2"][1]
     cluster = read_cluster_file(tmp_path / "cluster.toml")
     choice = choose_layout(GPT, cluster, global_batch=4, microbatches=2, n_params=gpt_params(GPT))
     assert all("step time from the calibration" in p.notes for p in choice.ranked)

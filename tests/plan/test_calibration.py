@@ -122,3 +122,13 @@ def test_pieces_it_lacks_give_none_and_predict_falls_back_to_the_formulas():
 def test_a_malformed_calibration_is_refused_by_name():
     with pytest.raises(ValueError, match=r"\[calibration\] is malformed"):
         Calibration.from_dict({"model": {"layers": 4}, "world": 4})
+
+
+def test_collective_fit_recovers_latency_and_bandwidth():
+    from distml.plan.profile import _fit
+
+    sizes = [2.0**16, 2.0**18, 2.0**20, 2.0**22]
+    alpha, beta = _fit(sizes, [1e-4 + n / 1e9 for n in sizes])
+    assert alpha == pytest.approx(1e-4) and beta == pytest.approx(1e9)
+    alpha, beta = _fit(sizes, [n / 2e9 * 1.02 for n in sizes])  # no latency: alpha is not < 0
+    assert alpha == pytest.approx(0.0, abs=1e-12) and beta == pytest.approx(2e9 / 1.02)

@@ -85,6 +85,18 @@ def network(device: torch.device, sizes_mb=(1, 4, 16), repeats: int = 5) -> dict
     return {"allreduce_bus_bw": out[0].item(), "p2p_bw": out[1].item(), "latency_s": out[2].item()}
 
 
+def network_of(collectives: dict[str, dict[str, list[float]]], world: int) -> dict[str, float]:
+    """What :func:`network` measures, read off a profile's collectives fitted to alpha + n/beta
+    (:func:`distml.plan.profile.collective_costs`) instead of timing them again: the world's
+    all-reduce at large n has bus bandwidth 2 (w - 1) / w x beta, and alpha is its latency."""
+    alpha, beta = collectives["all_reduce"][str(world)]
+    return {
+        "allreduce_bus_bw": 2 * (world - 1) / world * beta,
+        "p2p_bw": collectives["p2p"]["2"][1],
+        "latency_s": alpha,
+    }
+
+
 def measure(
     watts_per_core: float = 10.0,
     gpt: GPTConfig | None = None,
@@ -100,15 +112,6 @@ def measure(
         else torch.device("cpu")
     )
     flops = matmul_flops(device)
-    net = network(device)
-    if device.type == "cuda":
-        memory = torch.cuda.get_device_properties(device).total_memory
-        name = torch.cuda.get_device_name(device)
-        power = 700.0
-    else:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / dist.get_world_size()
-        name = "cpu"
-        power = watts_per_core * torch.get_num_threads()
     calibration = {}
     if gpt is not None:
         from distml.plan.auto import profile_shapes, sharded_profile_shapes
@@ -118,6 +121,17 @@ def measure(
         shapes = profile_shapes(gpt, world, global_batch, microbatches)
         sharded = sharded_profile_shapes(gpt, world, global_batch, microbatches)
         calibration = {"calibration": profile_gpt(gpt, shapes, sharded, device)}
+        net = network_of(calibration["calibration"]["collectives"], world)
+    else:
+        net = network(device)
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+        name = torch.cuda.get_device_name(device)
+        power = 700.0
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / dist.get_world_size()
+        name = "cpu"
+        power = watts_per_core * torch.get_num_threads()
     return {
         "devices": dist.get_world_size(),
         "devices_per_node": dist.get_world_size(),

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -67,18 +68,14 @@ def _median_s(fn: Callable[[], Any], repeats: int) -> float:
 
 def _fit(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
     """``t = alpha + n / beta`` fitted to relative error (a small message's latency counts as
-    much as a large one's bandwidth), alpha >= 0."""
-    # Least squares of alpha / t + (1 / beta) * n / t = 1 over the measurements.
-    rows = [(1 / t, n / t) for n, t in zip(sizes, seconds, strict=True)]
-    a11 = sum(r[0] * r[0] for r in rows)
-    a12 = sum(r[0] * r[1] for r in rows)
-    a22 = sum(r[1] * r[1] for r in rows)
-    b1, b2 = sum(r[0] for r in rows), sum(r[1] for r in rows)
-    det = a11 * a22 - a12 * a12
-    alpha, slope = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
-    if alpha < 0:  # no latency to speak of: bandwidth alone
-        alpha, slope = 0.0, b2 / a22
-    return alpha, 1.0 / max(slope, 1e-15)
+    much as a large one's bandwidth), alpha and 1 / beta >= 0: non-negative least squares of
+    alpha / t + (1 / beta) n / t = 1 over the measurements."""
+    from scipy.optimize import nnls
+
+    t = np.asarray(seconds)
+    rows = np.stack([1 / t, np.asarray(sizes) / t], axis=1)
+    (alpha, slope), _ = nnls(rows, np.ones_like(t))
+    return float(alpha), 1.0 / max(float(slope), 1e-15)
 
 
 def _subgroup(size: int) -> dist.ProcessGroup:
