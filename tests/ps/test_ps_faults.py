@@ -35,6 +35,7 @@ def test_async_workers_carry_on_when_one_is_killed(tmp_path, consistency):
     steps = 30
     summary = ps_run(
         tmp_path, "lost", "--nproc", "3", "--consistency", consistency,
+        "--config", str(_config(tmp_path, every=50, heartbeat_s=2.0)),
         steps=steps, script_args=["--kill", "2:5"],
     )  # fmt: skip
     ps = summary["ps"]

@@ -50,9 +50,10 @@ def test_bsp_with_n_workers_equals_sync_sgd_with_batch_nb(tmp_path):
 
 
 def test_ssp_with_bound_zero_equals_bsp(tmp_path):
+    """Against BSP's own oracle, synchronous SGD with batch N*B (the test above holds BSP to it),
+    for plain SGD: SSP applies each worker's push on its own, which with momentum is not one
+    step on their average."""
     ssp, summary = launch_ps(tmp_path, "ssp0", 2, 0.0, consistency="ssp", staleness=0)
-    bsp, _ = launch_ps(tmp_path, "bsp", 2, 0.0, consistency="bsp")
-    assert rel_err(ssp["params"], bsp["params"]) <= 1e-5
     assert rel_err(ssp["params"], single_process(STEPS, 2 * BATCH, momentum=0.0)) <= 1e-5
     assert summary["ps"]["versions"] == [2 * STEPS]  # SSP applies each push on its own
 

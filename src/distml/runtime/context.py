@@ -212,8 +212,10 @@ class Context:
             if optimizer is None:
                 raise ValueError("a parameter-server worker needs the optimizer the servers apply")
             urls, token = servers_from_env()
+            # Beats well inside the shards' timeout, so that a live worker is never taken for gone.
+            beat = min(2.0, self.config.ps.heartbeat_timeout_s / 4)
             self._strategy = ParameterServerWorker(
-                model, optimizer, self.rank, urls, token, self.recorder
+                model, optimizer, self.rank, urls, token, self.recorder, heartbeat_s=beat
             )
             self.step = self._strategy.start_step  # a restarted worker resumes at its clock
         elif cfg.name == "local-sgd":
