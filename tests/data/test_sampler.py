@@ -63,7 +63,7 @@ def test_claimed_batches_are_the_fixed_shards_global_batches_in_the_order_claime
     n, world, batch = 103, 2, 5
     taken: dict[int, int] = {}
 
-    def claim(epoch: int, total: int) -> int | None:
+    def claim(epoch: int, position: int, total: int) -> int | None:
         index = taken.get(epoch, 0)
         taken[epoch] = index + 1
         return index if index < total else None

@@ -60,6 +60,17 @@ def test_workers_train_against_standalone_shards(tmp_path):
                 return False
 
         wait_for(up, 60, "the shards to listen")
+        # A worker set to another rule than the servers' is refused before it trains: its data
+        # loading depends on the rule (claimed batches under ASP and SSP, fixed shards under BSP).
+        wrong = subprocess.run(
+            [sys.executable, "-m", "distml", "run", "--strategy", "ps", "--nproc", "1",
+             "--ps-servers", ",".join(urls), "--consistency", "bsp", "--runs-dir",
+             str(tmp_path), "--run-name", "wrong", str(EXAMPLES / "digits" / "train.py"),
+             "--max-steps", "1"],
+            env=env, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert wrong.returncode != 0
+        assert "applies 'ssp', but this job is set to 'bsp'" in wrong.stderr, wrong.stderr[-2000:]
         result = subprocess.run(
             [sys.executable, "-m", "distml", "run", "--strategy", "ps", "--nproc", "2",
              "--ps-servers", ",".join(urls), "--consistency", "ssp:2", "--runs-dir",

@@ -3,6 +3,7 @@ three consistency rules, backup workers, heartbeats and snapshots."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -229,8 +230,13 @@ def test_snapshot_round_trip_keeps_parameters_optimizer_state_and_clocks(tmp_pat
     assert all(torch.equal(shard.params[n], restored.params[n]) for n in INIT)
 
 
-def claim(client, worker, epoch, batches=5):
-    params = {"worker": worker, "epoch": epoch, "batches": batches}
+def claim(client, worker, epoch, batches=5, position=None):
+    """Worker ``worker``'s next claim of ``epoch`` (or its claim number ``position`` again)."""
+    positions = client.__dict__.setdefault("positions", {})
+    if position is None:
+        position = positions.get((worker, epoch), 0)
+        positions[worker, epoch] = position + 1
+    params = {"worker": worker, "epoch": epoch, "position": position, "batches": batches}
     return client.post("/v1/claim", params=params)
 
 
@@ -243,28 +249,23 @@ def test_asynchronous_shards_hand_out_each_batch_of_an_epoch_once(tmp_path):
     assert claim(client, 1, epoch=0).json() == {"batch": None}  # the epoch is used up
     assert claim(client, 1, epoch=1).json() == {"batch": 0}  # the next one starts afresh
     assert client.get("/v1/stats").json()["batches_claimed"] == {"0": 3, "1": 3}
-    # Another epoch length means another dataset or batch size: refused, nothing handed out.
-    assert claim(client, 0, epoch=1, batches=6).status_code == 409
-    for bad in ({"epoch": -1}, {"batches": 0}):
-        assert (
-            client.post(
-                "/v1/claim", params={"worker": 0, "epoch": 0, "batches": 5} | bad
-            ).status_code
-            == 422
-        )
+    # A retried claim (its answer lost on the way) gets the same batch, not the next one.
+    assert claim(client, 1, epoch=1, position=0).json() == {"batch": 0}
     assert claim(client, 0, epoch=1).json() == {"batch": 1}
-    assert claim(client, 0, epoch=0).status_code == 200
-    assert (
-        client.post(
-            "/v1/claim?worker=0&epoch=0&batches=5", headers={"Authorization": ""}
-        ).status_code
-        == 401
-    )
+    # Another epoch length means another dataset or batch size: refused, nothing handed out.
+    assert claim(client, 0, epoch=1, batches=6, position=7).status_code == 409
+    for bad in ({"epoch": -1}, {"batches": 0}, {"position": -1}, {"epoch": 2**40}):
+        query = {"worker": 0, "epoch": 0, "position": 9, "batches": 5} | bad
+        assert client.post("/v1/claim", params=query).status_code == 422
+    query = "/v1/claim?worker=0&epoch=0&position=9&batches=5"
+    assert client.post(query, headers={"Authorization": ""}).status_code == 401
+    assert claim(client, 0, epoch=1).json() == {"batch": 2}
     # A restarted shard goes on from its snapshot's counters.
     path = save_snapshot(client.shard, tmp_path / "copy.safetensors")
     restored = ParameterShard(ShardSettings(consistency="asp"))
     load_snapshot(restored, path)
-    assert restored.claims == {0: 5, 1: 2} and restored.claim(3, 1, 5) == 2
+    assert restored.claims == {0: 5, 1: 3} and restored.claimed == client.shard.claimed
+    assert asyncio.run(restored.claim(3, 1, 0, 5)) == 3
 
 
 def test_bsp_shards_hand_out_no_batches():

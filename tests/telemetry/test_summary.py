@@ -58,9 +58,10 @@ def test_throughput_of_ranks_in_lockstep_and_of_ranks_that_took_different_shares
     assert lockstep["samples_per_s"] == pytest.approx(40 / 0.6)
     # Asynchronous workers run side by side: the fast one took 3 batches while the slow one
     # took 1, and training lasted as long as the busiest of them.
-    apart = summarize([[step(0.1)] * 3, [step(0.3)]], 1.25, True)
+    apart = summarize([[step(0.1)] * 3, [step(0.3)]], 1.25, True, lockstep=False)
     assert apart["train_s"] == pytest.approx(0.3)
     assert apart["samples_per_s"] == pytest.approx(40 / 0.3)
+    assert apart["steps"] == 3  # rank 0's, all of them
 
 
 def test_stragglers_are_ranks_slower_than_factor_times_the_others_median():

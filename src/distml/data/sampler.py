@@ -88,15 +88,18 @@ class ShardedBatchSampler:
         self.position = int(state["position"])
 
 
-Claim = Callable[[int, int], int | None]
-"""``claim(epoch, batches)``: the index of the next unclaimed batch of that epoch (of
-``batches``), or None once all are taken."""
+Claim = Callable[[int, int, int], int | None]
+"""``claim(epoch, position, batches)``: the index of the next unclaimed batch of that epoch (of
+``batches``), or None once all are taken; ``position`` counts this rank's claims of the epoch so
+far (asked again, the same position gets the same answer)."""
 
 
 class ClaimedBatchSampler(ShardedBatchSampler):
     """Yields the batches this rank claims, in the order it claims them, until the epoch runs out.
 
-    ``len()`` is a rank's share were all ranks equally fast; a fast rank trains on more.
+    ``len()`` is a rank's share were all ranks equally fast; a fast rank trains on more. A
+    ``DataLoader`` with ``num_workers > 0`` fetches ``prefetch_factor x num_workers`` batches
+    ahead, and so claims that many ahead of its training.
     """
 
     def __init__(
@@ -118,7 +121,7 @@ class ClaimedBatchSampler(ShardedBatchSampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self._order()
-        while (index := self.claim(self.epoch, self.batches)) is not None:
+        while (index := self.claim(self.epoch, self.position, self.batches)) is not None:
             self.position += 1
             start = index * self.batch_size
             yield order[start : start + self.batch_size].tolist()

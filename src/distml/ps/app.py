@@ -150,13 +150,16 @@ def create_shard_app(
 
     @app.post("/v1/claim")
     async def claim(
-        worker: Worker, epoch: Count, batches: Annotated[int, Query(ge=1, le=2**40)]
+        worker: Worker,
+        epoch: Annotated[int, Query(ge=0, le=2**31)],
+        position: Annotated[int, Query(ge=0, le=2**40)],
+        batches: Annotated[int, Query(ge=1, le=2**40)],
     ) -> dict[str, Any]:
         """The next training batch of ``epoch`` for ``worker`` (ASP and SSP)."""
         if shard.settings.consistency == "bsp":
             raise HTTPException(409, "BSP workers keep fixed shards of the data; nothing to claim")
         try:
-            return {"batch": shard.claim(worker, epoch, batches)}
+            return {"batch": await shard.claim(worker, epoch, position, batches)}
         except ClaimRejected as exc:
             raise HTTPException(409, str(exc)) from None
 

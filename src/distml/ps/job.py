@@ -315,14 +315,13 @@ def write_job_files(
         "mesh": {"dp": config.world_size},
         "attempt": max((w.restarts for w in workers), default=0),
         **summarize(
-            [r for r in per_rank if r], config.telemetry.straggler_factor, measured_waits=True
+            [r for r in per_rank if r],
+            config.telemetry.straggler_factor,
+            measured_waits=True,
+            lockstep=False,  # no collective: workers may take different numbers of steps
         ),
         **extra,
     }
-    # Workers run unsynchronised: throughput is every sample over the longest worker's time.
-    samples = sum(r["samples"] for records in per_rank for r in records)
-    longest = max((sum(r["step_s"] for r in records) for records in per_rank), default=0.0)
-    summary["samples_per_s"] = samples / longest if longest > 0 else 0.0
     state, versions = _final_state(clients)
     names = sorted(state)
     summary["param_norm"] = norm_of(state[n] for n in names)

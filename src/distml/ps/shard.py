@@ -63,6 +63,7 @@ class WorkerState:
     last_seen: float = field(default_factory=time.monotonic)
     done: bool = False
     last_answer: dict[str, Any] = field(default_factory=dict)
+    last_claim: list | None = None  # [epoch, position, batch]: a retried claim gets it again
 
 
 @dataclass
@@ -163,24 +164,29 @@ class ParameterShard:
         """Every worker that registered is done, or gone silent."""
         return bool(self.workers) and not self._live() and not self._absent()
 
-    def claim(self, worker: int, epoch: int, batches: int) -> int | None:
-        """The next batch of ``epoch``, which has ``batches``, for ``worker``; None once they are
-        all handed out. Each batch goes out once. Not under the lock: nothing here awaits, and a
-        claim need not queue behind an optimizer step."""
-        if self.epoch_batches is None:
-            self.epoch_batches = batches
-        elif batches != self.epoch_batches:
-            raise ClaimRejected(
-                f"an epoch of {batches} batches, but this job's have {self.epoch_batches}: "
-                "do the workers load the same dataset with the same batch size?"
-            )
-        self._seen(worker)
-        taken = self.claims.get(epoch, 0)
-        if taken >= batches:
-            return None
-        self.claims[epoch] = taken + 1
-        self.claimed[worker] += 1
-        return taken
+    async def claim(self, worker: int, epoch: int, position: int, batches: int) -> int | None:
+        """The next batch of ``epoch``, which has ``batches``, for ``worker``, whose ``position``-th
+        claim of that epoch this is; None once they are all handed out. Each batch goes out
+        once; a retried claim (the same epoch and position again) gets the first answer."""
+        async with self._cond:
+            if self.epoch_batches is None:
+                self.epoch_batches = batches
+            elif batches != self.epoch_batches:
+                raise ClaimRejected(
+                    f"an epoch of {batches} batches, but this job's have {self.epoch_batches}: "
+                    "the workers must claim from one training loader, of the same dataset and "
+                    "batch size"
+                )
+            state = self._seen(worker)
+            if state.last_claim is not None and state.last_claim[:2] == [epoch, position]:
+                return state.last_claim[2]
+            taken = self.claims.get(epoch, 0)
+            index = taken if taken < batches else None
+            if index is not None:
+                self.claims[epoch] = taken + 1
+                self.claimed[worker] += 1
+            state.last_claim = [epoch, position, index]
+            return index
 
     # -- parameters -------------------------------------------------------------------------
     async def initialize(self, tensors: dict[str, torch.Tensor], spec: dict[str, Any]) -> bool:

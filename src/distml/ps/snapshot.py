@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -39,15 +40,15 @@ def save_snapshot(shard: ParameterShard, path: Path) -> Path:
                 tensors[f"optim/{names[index]}/{key}"] = value
             else:
                 scalars.setdefault(names[index], {})[key] = value
-    claims = dict(shard.claims)  # first: claims change without the lock
     meta = {
-        "claims": {str(e): n for e, n in claims.items()},
+        "claims": {str(e): n for e, n in shard.claims.items()},
+        "claimed": {str(w): n for w, n in shard.claimed.items()},
         "epoch_batches": shard.epoch_batches,
         "version": shard.version,
         "optimizer_spec": shard.optimizer_spec,
         "optimizer_scalars": scalars,
         "workers": {
-            str(w): {"clock": s.clock, "last_answer": s.last_answer}
+            str(w): {"clock": s.clock, "last_answer": s.last_answer, "last_claim": s.last_claim}
             for w, s in shard.workers.items()
         },
     }
@@ -88,8 +89,11 @@ def load_snapshot(shard: ParameterShard, path: Path) -> None:
     shard.optimizer_spec = meta["optimizer_spec"]
     shard.version = shard.restored_version = int(meta["version"])
     shard.workers = {
-        int(w): WorkerState(clock=s["clock"], last_answer=s["last_answer"])
+        int(w): WorkerState(
+            clock=s["clock"], last_answer=s["last_answer"], last_claim=s.get("last_claim")
+        )
         for w, s in meta["workers"].items()
     }
     shard.claims = {int(e): int(n) for e, n in meta.get("claims", {}).items()}
+    shard.claimed = Counter({int(w): int(n) for w, n in meta.get("claimed", {}).items()})
     shard.epoch_batches = meta.get("epoch_batches")

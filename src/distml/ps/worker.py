@@ -52,7 +52,9 @@ class ParameterServerWorker:
 
     Every worker computes the same placement of the model's parameters over the shards; worker 0
     sends the initial parameters and the optimizer's description (each shard keeps the first it
-    gets, so a restarted worker 0 changes nothing).
+    gets, so a restarted worker 0 changes nothing). With ``consistency``, a shard that applies
+    another rule is refused: the worker's data loader depends on it (claimed batches or fixed
+    shards).
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class ParameterServerWorker:
         token: str,
         accounting: Accounting,
         heartbeat_s: float = 2.0,
+        consistency: str | None = None,
     ):
         self.model = model
         self.rank = rank
@@ -77,6 +80,7 @@ class ParameterServerWorker:
         self.generations = [""] * len(urls)
         self.wait_s = 0.0  # of the last step: time the consistency rule held this worker
         self.finished = False
+        self.consistency = consistency  # the rule this worker's data loading expects, if known
         clocks = self._each(lambda k: self._register(k, optimizer))
         self.start_step = min(clocks)
         self.pull()
@@ -105,12 +109,11 @@ class ParameterServerWorker:
         self.pull()
         return time.perf_counter() - start
 
-    def claim(self, epoch: int, batches: int) -> int | None:
-        """The next unclaimed batch of ``epoch`` (ASP and SSP: the first shard hands them out)."""
-        answer = self.clients[0].request(
-            "POST", "/v1/claim", params={"worker": self.rank, "epoch": epoch, "batches": batches}
-        )
-        return answer.json()["batch"]
+    def claim(self, epoch: int, position: int, batches: int) -> int | None:
+        """The next unclaimed batch of ``epoch`` (ASP and SSP: the first shard hands them out);
+        ``position``: this worker's claims of the epoch so far, so that a retry is known."""
+        query = {"worker": self.rank, "epoch": epoch, "position": position, "batches": batches}
+        return self.clients[0].request("POST", "/v1/claim", params=query).json()["batch"]
 
     # -- the protocol -----------------------------------------------------------------------
     def _each(self, fn) -> list[Any]:
@@ -119,6 +122,11 @@ class ParameterServerWorker:
     def _register(self, k: int, optimizer: torch.optim.Optimizer) -> int:
         client = self.clients[k]
         status = client.request("POST", "/v1/register", params={"worker": self.rank}).json()
+        if self.consistency is not None and status["consistency"] != self.consistency:
+            raise RuntimeError(
+                f"the parameter server at {client.url} applies {status['consistency']!r}, but this "
+                f"job is set to {self.consistency!r}: give the workers the servers' --consistency"
+            )
         if not status["initialized"] and self.rank == 0:
             names = {id(p): n for n, p in self.params.items()}
             spec = describe_optimizer(optimizer, names)

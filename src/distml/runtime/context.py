@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 
 from distml.config import RunConfig, config_from_env
 from distml.data.loader import ShardedLoader
+from distml.data.sampler import ClaimedBatchSampler
 from distml.parallel.data import DataParallel, apply_data_parallel
 from distml.parallel.local_sgd import LocalSGD
 from distml.parallel.mesh import ParallelDims
@@ -215,7 +216,14 @@ class Context:
             # Beats well inside the shards' timeout, so that a live worker is never taken for gone.
             beat = min(2.0, self.config.ps.heartbeat_timeout_s / 4)
             self._strategy = ParameterServerWorker(
-                model, optimizer, self.rank, urls, token, self.recorder, heartbeat_s=beat
+                model,
+                optimizer,
+                self.rank,
+                urls,
+                token,
+                self.recorder,
+                heartbeat_s=beat,
+                consistency=self.config.ps.consistency,
             )
             self.step = self._strategy.start_step  # a restarted worker resumes at its clock
         elif cfg.name == "local-sgd":
@@ -251,10 +259,10 @@ class Context:
         self.loaders.append(loader)
         return loader
 
-    def _claim(self, epoch: int, batches: int) -> int | None:
+    def _claim(self, epoch: int, position: int, batches: int) -> int | None:
         if self._strategy is None:
             raise RuntimeError("call ctx.setup(model, optimizer) before iterating the dataloader")
-        return self._strategy.claim(epoch, batches)
+        return self._strategy.claim(epoch, position, batches)
 
     def train_step(
         self,
@@ -481,9 +489,12 @@ class Context:
         """Resume from ``path`` or this run's latest checkpoint; False if there is none.
 
         A parameter-server worker resumes from the servers: its step is its clock there, and its
-        loaders move past the batches of the steps it already pushed."""
+        loaders of fixed shards move past the batches of the steps it already pushed (loaders that
+        claim batches need not: the servers hand out only what is left)."""
         if self.ps:
             for loader in self.loaders:
+                if isinstance(loader.sampler, ClaimedBatchSampler):
+                    continue  # the servers know the epoch: those used up answer "none" at once
                 per_epoch = max(len(loader), 1)
                 loader.load_state_dict(
                     {"epoch": self.step // per_epoch, "position": self.step % per_epoch}

@@ -61,21 +61,30 @@ def _sum_by_key(dicts: list[dict[str, int]]) -> dict[str, int]:
 
 
 def summarize(
-    per_rank: list[list[dict[str, Any]]], straggler_factor: float, measured_waits: bool = False
+    per_rank: list[list[dict[str, Any]]],
+    straggler_factor: float,
+    measured_waits: bool = False,
+    lockstep: bool = True,
 ) -> dict[str, Any]:
     """Totals over the run. Byte counts are per rank (rank 0's); times are sums over steps.
 
     ``measured_waits``: the records carry their own ``sync_wait_s`` (a parameter server's), which
     is kept; otherwise waits are derived from the ranks' compute times (:func:`attribute_waits`).
+    ``lockstep``: every step of every rank ends together (a collective), so a step lasts as long
+    as its slowest rank. Otherwise (asynchronous parameter-server workers, which may take
+    different numbers of steps) the ranks run side by side: training lasts as long as the busiest
+    rank, and ``steps`` and rank 0's totals are all of rank 0's.
     """
     if not measured_waits:
         attribute_waits(per_rank)
-    steps = min((len(r) for r in per_rank), default=0)
-    rank0 = per_rank[0][:steps] if per_rank else []
-    if len({len(r) for r in per_rank}) <= 1:  # in lockstep: a step lasts as long as its slowest
+    if lockstep:
+        steps = min((len(r) for r in per_rank), default=0)
+        rank0 = per_rank[0][:steps] if per_rank else []
         train_s = sum(max(records[t]["step_s"] for records in per_rank) for t in range(steps))
-    else:  # asynchronous workers that took different shares of the data: side by side
-        train_s = max(sum(r["step_s"] for r in records) for records in per_rank)
+    else:
+        rank0 = per_rank[0] if per_rank else []
+        steps = len(rank0)
+        train_s = max((sum(r["step_s"] for r in records) for records in per_rank), default=0.0)
     samples = sum(rec["samples"] for records in per_rank for rec in records)
     ranks = []
     for rank, records in enumerate(per_rank):

@@ -140,8 +140,8 @@ class LocalWorkers:
         while not coordinator.wait(0.25):
             for i, proc in enumerate(self.procs):
                 code = proc.poll()
-                if code is None:
-                    continue
+                if code is None or coordinator.queue.error is not None:
+                    continue  # running, or told the job failed: it ends now, not restarted
                 restarts = sum(p.restarts for p in self.procs)
                 if code == 2 or restarts >= max_restarts:
                     with coordinator.lock:
