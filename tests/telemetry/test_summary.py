@@ -56,6 +56,9 @@ def test_throughput_of_ranks_in_lockstep_and_of_ranks_that_took_different_shares
     lockstep = summarize([[step(0.1), step(0.3)], [step(0.3), step(0.1)]], 1.25, True)
     assert lockstep["train_s"] == pytest.approx(0.6)
     assert lockstep["samples_per_s"] == pytest.approx(40 / 0.6)
+    # A rank's extra record (one the others never matched) is no step of the run's.
+    extra = summarize([[step(0.1), step(0.3), step(0.2)], [step(0.3), step(0.1)]], 1.25, True)
+    assert extra["steps"] == 2 and extra["samples_per_s"] == pytest.approx(40 / 0.6)
     # Asynchronous workers run side by side: the fast one took 3 batches while the slow one
     # took 1, and training lasted as long as the busiest of them.
     apart = summarize([[step(0.1)] * 3, [step(0.3)]], 1.25, True, lockstep=False)

@@ -79,13 +79,14 @@ def summarize(
         attribute_waits(per_rank)
     if lockstep:
         steps = min((len(r) for r in per_rank), default=0)
-        rank0 = per_rank[0][:steps] if per_rank else []
+        per_rank_steps = [records[:steps] for records in per_rank]
         train_s = sum(max(records[t]["step_s"] for records in per_rank) for t in range(steps))
     else:
-        rank0 = per_rank[0] if per_rank else []
-        steps = len(rank0)
+        per_rank_steps = per_rank
+        steps = len(per_rank[0]) if per_rank else 0
         train_s = max((sum(r["step_s"] for r in records) for records in per_rank), default=0.0)
-    samples = sum(rec["samples"] for records in per_rank for rec in records)
+    rank0 = per_rank_steps[0] if per_rank else []
+    samples = sum(rec["samples"] for records in per_rank_steps for rec in records)
     ranks = []
     for rank, records in enumerate(per_rank):
         ranks.append(
