@@ -23,7 +23,7 @@ from distml.plan.calibration import Calibration
 from distml.plan.cost_model import Cluster, Device
 
 
-def _timed(fn, repeats: int) -> float:
+def median_time(fn, repeats: int) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs, after one warm-up."""
     fn()
     times = []
@@ -55,7 +55,7 @@ def matmul_flops(
         if together:
             dist.barrier()
 
-    return 2 * n**3 * per_block / _timed(block, repeats)
+    return 2 * n**3 * per_block / median_time(block, repeats)
 
 
 def network(device: torch.device, sizes_mb=(1, 4, 16), repeats: int = 5) -> dict[str, float]:
@@ -66,7 +66,7 @@ def network(device: torch.device, sizes_mb=(1, 4, 16), repeats: int = 5) -> dict
     for mb in sizes_mb:
         x = torch.ones(mb * 2**18, device=device)  # fp32: mb MiB
         nbytes = x.numel() * 4
-        t = _timed(lambda x=x: dist.all_reduce(x), repeats)
+        t = median_time(lambda x=x: dist.all_reduce(x), repeats)
         bus.append(2 * (world - 1) / world * nbytes / t)
 
         def ping(x=x) -> None:
@@ -77,9 +77,9 @@ def network(device: torch.device, sizes_mb=(1, 4, 16), repeats: int = 5) -> dict
                 dist.recv(x, 0)
                 dist.send(x, 0)
 
-        p2p.append(2 * nbytes / _timed(ping, repeats))
+        p2p.append(2 * nbytes / median_time(ping, repeats))
     tiny = torch.ones(1, device=device)
-    latency = _timed(lambda: dist.all_reduce(tiny), repeats * 4)
+    latency = median_time(lambda: dist.all_reduce(tiny), repeats * 4)
     out = torch.tensor([max(bus), max(p2p), latency], dtype=torch.float64, device=device)
     dist.broadcast(out, 0)
     return {"allreduce_bus_bw": out[0].item(), "p2p_bw": out[1].item(), "latency_s": out[2].item()}
@@ -97,6 +97,18 @@ def network_of(collectives: dict[str, dict[str, list[float]]], world: int) -> di
     }
 
 
+def _board_power_w(device: torch.device) -> float:
+    """The GPU's power limit as NVML reports it; an H100 SXM's 700 W where NVML cannot say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        return pynvml.nvmlDeviceGetPowerManagementLimit(handle) / 1e3  # milliwatts
+    except Exception:  # pynvml absent, or no power reading on this board
+        return 700.0
+
+
 def measure(
     watts_per_core: float = 10.0,
     gpt: GPTConfig | None = None,
@@ -111,7 +123,10 @@ def measure(
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
-    flops = matmul_flops(device)
+    # A product large enough to fill a GPU (8192^3 in bf16: about 1 ms on an H100); 1024 keeps a
+    # CPU's block under a second.
+    matmul_n = 8192 if device.type == "cuda" else 1024
+    flops = matmul_flops(device, matmul_n)
     calibration = {}
     if gpt is not None:
         from distml.plan.auto import profile_shapes, sharded_profile_shapes
@@ -127,7 +142,7 @@ def measure(
     if device.type == "cuda":
         memory = torch.cuda.get_device_properties(device).total_memory
         name = torch.cuda.get_device_name(device)
-        power = 700.0
+        power = _board_power_w(device)
     else:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / dist.get_world_size()
         name = "cpu"
@@ -144,7 +159,7 @@ def measure(
             "latency_s": net["latency_s"],
             "power_w": power,
         },
-        "measured": {"p2p_bw": net["p2p_bw"], "matmul_n": 1024},
+        "measured": {"p2p_bw": net["p2p_bw"], "matmul_n": matmul_n},
         **calibration,
     }
 

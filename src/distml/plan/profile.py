@@ -28,7 +28,6 @@ any other.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -39,6 +38,7 @@ import torch.distributed as dist
 
 from distml.config import GPTConfig
 from distml.models.gpt import GPT, Block, lm_loss
+from distml.plan.bench import median_time
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 SIZES = (2**16, 2**18, 2**20, 2**22, 2**24)  # bytes per rank's input
@@ -239,13 +239,7 @@ def _share(cfg: GPTConfig, micro_batch: int, repeats: int) -> float:
     alone = torch.zeros(1, dtype=torch.float64)
     dist.barrier()
     if dist.get_rank() == 0:
-        block(x).backward(grad)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            block(x).backward(grad)
-            times.append(time.perf_counter() - start)
-        alone[0] = statistics.median(times)
+        alone[0] = median_time(lambda: block(x).backward(grad), repeats)
     dist.broadcast(alone, 0)
     return max(1.0, together / alone.item())
 
