@@ -234,6 +234,8 @@ def run(
             run_ps_job(cfg, [sys.executable, "-u", *target, *ctx.args])
         else:
             run_workers(cfg, sys.executable, ("-u", *target, *ctx.args))
+    except ConfigError as exc:
+        fail_usage(str(exc))
     except LaunchError as exc:
         report_failure("distml run failed", exc)
     err.print(f"run folder: {cfg.run_dir}", highlight=False)
@@ -303,7 +305,9 @@ def _planned_config(
 
 @app.command()
 def demo(
-    nproc: Annotated[int, typer.Option(help="Worker processes.")] = 2,
+    nproc: Annotated[
+        int | None, typer.Option(help="Worker processes [default: one per GPU, else 2].")
+    ] = None,
     epochs: Annotated[int, typer.Option(help="Passes over the training set.")] = 8,
     finetune_epochs: Annotated[int, typer.Option(help="Passes of the fine-tune.")] = 8,
     run_name: RunName = None,
@@ -311,7 +315,7 @@ def demo(
 ) -> None:
     """The whole lifecycle on scikit-learn's digits: preprocess, train, fine-tune, validate,
     batch inference, serve (2 replicas), report."""
-    fields: dict[str, Any] = {"nproc": nproc}
+    fields: dict[str, Any] = {"nproc": _default_nproc() if nproc is None else nproc}
     if run_name is not None:
         fields["run_name"] = run_name
     if runs_dir is not None:
@@ -333,6 +337,8 @@ def demo(
             finetune_epochs=finetune_epochs,
             log=lambda line: err.print(line, highlight=False, markup=False, soft_wrap=True),
         )
+    except ConfigError as exc:
+        fail_usage(str(exc))
     except (LaunchError, PreprocessError) as exc:
         report_failure("demo failed", exc)
 

@@ -17,15 +17,16 @@ import struct
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from distml.config import CONFIG_ENV, RunConfig, parse_endpoint, save_config
+from distml.config import CONFIG_ENV, ConfigError, RunConfig, parse_endpoint, save_config
 from distml.net.ports import free_port
+from distml.runtime.devices import gpu_share_error
 
 ATTEMPT_ENV = "DISTML_ATTEMPT"
 log = logging.getLogger("distml.launch")
@@ -89,6 +90,13 @@ def node_addressing(config: RunConfig) -> tuple[str, dict[str, str]]:
     return addr, env
 
 
+# Workers get 5 s between SIGTERM and SIGKILL when a run stops, where this torch lets the agent
+# say so (older releases wait their own 30 s).
+_SHUTDOWN = (
+    {"shutdown_timeout": 5} if "shutdown_timeout" in {f.name for f in fields(LaunchConfig)} else {}
+)
+
+
 def launch_config(config: RunConfig, attempt: int, local_addr: str) -> LaunchConfig:
     """The elastic agent's settings for one attempt of a run."""
     rdzv_configs: dict[str, Any] = {"timeout": int(max(config.timeout_s, 30))}
@@ -115,7 +123,7 @@ def launch_config(config: RunConfig, attempt: int, local_addr: str) -> LaunchCon
         start_method="spawn",
         local_addr=local_addr,
         logs_specs=DefaultLogsSpecs(log_dir=str(config.run_dir / "logs" / f"attempt{attempt}")),
-        shutdown_timeout=5,
+        **_SHUTDOWN,
     )
 
 
@@ -151,8 +159,11 @@ def run_workers(
     """Run ``entrypoint(*args)`` in every worker, restarting up to ``config.max_restarts`` times.
 
     ``entrypoint`` is a picklable function or an executable path. Returns the workers' return
-    values on this node, by global rank.
+    values on this node, by global rank. Raises ConfigError, before any process starts, when
+    the node has GPUs but fewer than ``config.nproc``.
     """
+    if error := gpu_share_error(config.nproc):
+        raise ConfigError(error)
     config_path = config.run_dir / "config.toml"
     save_config(config, config_path)
     local_addr, worker_env = node_addressing(config)

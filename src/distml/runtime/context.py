@@ -37,6 +37,7 @@ from distml.parallel.data import DataParallel, apply_data_parallel
 from distml.parallel.local_sgd import LocalSGD
 from distml.parallel.mesh import ParallelDims
 from distml.runtime.comm_accounting import CommAccounting
+from distml.runtime.devices import pick_device
 from distml.runtime.progress import Progress
 from distml.runtime.run_files import write_run_files
 from distml.telemetry.energy import open_energy_meter
@@ -48,14 +49,6 @@ from distml.train.evaluate import Metric, evaluate
 if TYPE_CHECKING:
     from distml.parallel.layout import Loss, ModelParallel
     from distml.ps.worker import ParameterServerWorker
-
-
-def _pick_device(local_rank: int) -> tuple[torch.device, str]:
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        return device, "cpu:gloo,cuda:nccl"
-    return torch.device("cpu"), "gloo"
 
 
 def _split(batch: Any, parts: int) -> list[Any]:
@@ -144,9 +137,13 @@ class Context:
             or config_from_env()
             or RunConfig(run_name=os.environ.get("DISTML_RUN_NAME") or RunConfig().run_name)
         )
-        device, backend = _pick_device(int(os.environ.get("LOCAL_RANK", 0)))
-        timeout = timedelta(seconds=config.timeout_s)
         ps = config.strategy.name == "ps"
+        device, backend = pick_device(
+            int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+            grouped=not ps,
+        )
+        timeout = timedelta(seconds=config.timeout_s)
         if not dist.is_initialized():
             if "WORLD_SIZE" in os.environ and not ps:
                 dist.init_process_group(backend, timeout=timeout)
