@@ -31,17 +31,19 @@ def distml_cli(*args: str, timeout: float = 240, cwd: Path | None = None, **pope
     )
 
 
-def _is_resource_tracker(pid: int) -> bool:
-    # Python's multiprocessing keeps one resource-tracker process per parent until it exits.
+def _is_multiprocessing_helper(pid: int) -> bool:
+    # Python's multiprocessing keeps one resource tracker and one fork server (distml.launch's
+    # workers fork from it) per parent until it exits.
     try:
-        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+    return b"multiprocessing.resource_tracker" in cmdline or b"multiprocessing.forkserver" in cmdline
 
 
 def child_pids(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (read from /proc); zombies and the multiprocessing
-    resource tracker excluded."""
+    """Every live descendant of ``pid`` (read from /proc); zombies and multiprocessing's resource
+    tracker and fork server excluded."""
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -59,7 +61,7 @@ def child_pids(pid: int) -> list[int]:
         for child in parents.get(todo.pop(), []):
             out.append(child)
             todo.append(child)
-    return [p for p in out if not _is_resource_tracker(p)]
+    return [p for p in out if not _is_multiprocessing_helper(p)]
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
