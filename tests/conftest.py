@@ -31,6 +31,9 @@ def distml_cli(*args: str, timeout: float = 240, cwd: Path | None = None, **pope
     )
 
 
+HELPERS = ("resource_tracker", "forkserver")
+
+
 def _is_multiprocessing_helper(pid: int) -> bool:
     # Python's multiprocessing keeps one resource tracker and one fork server (distml.launch's
     # workers fork from it) per parent until it exits.
@@ -38,7 +41,7 @@ def _is_multiprocessing_helper(pid: int) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return b"multiprocessing.resource_tracker" in cmdline or b"multiprocessing.forkserver" in cmdline
+    return any(f"multiprocessing.{name}".encode() in cmdline for name in HELPERS)
 
 
 def child_pids(pid: int) -> list[int]:
