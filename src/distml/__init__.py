@@ -1,8 +1,8 @@
 """distml: distributed machine learning for PyTorch, from one laptop to a cluster.
 
-``Context``, ``LaunchError`` and ``metrics`` are imported on first use (PEP 562), so that a
-process that needs one corner of distml (a preprocessing worker, a replica) does not pay for
-importing torch.distributed.
+``Context``, ``LaunchError``, ``RunConfig`` and ``metrics`` are imported on first use (PEP 562),
+so that a process that needs one corner of distml (a preprocessing worker, a replica) pays
+neither for importing torch.distributed nor for building the run's pydantic models.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import distml.launch as _launch_package  # the subpackage first, so that ``launch`` below wins
 from distml._lazy import lazy_getattr
-from distml.config import RunConfig
 
 if TYPE_CHECKING:
     from distml import metrics
+    from distml.config import RunConfig
     from distml.launch.elastic import LaunchError
     from distml.runtime.context import Context
 
@@ -26,6 +26,7 @@ __getattr__ = lazy_getattr(
         "metrics": "distml.metrics",
         "LaunchError": "distml.launch.elastic:LaunchError",
         "Context": "distml.runtime.context:Context",
+        "RunConfig": "distml.config:RunConfig",
     },
 )
 

@@ -146,3 +146,34 @@ def test_the_coordinator_counts_and_deletes_a_late_copy(tmp_path):
     assert not Path(slow["output"]).exists() and q.stats.discarded == 1
     part = pq.read_table(tmp_path / "out" / f"part-{slow['shard']['id']:05d}.parquet")
     assert part["x"].to_pylist() == [1]  # the winner's output, not the late copy's
+
+
+def test_a_worker_waiting_for_work_hears_stop_when_the_last_shard_is_in(tmp_path):
+    """The claim's long poll: an idle worker's answer waits for the job's end, and comes the
+    moment the last shard is committed, not after a sleep of its own."""
+    import threading
+    import time
+
+    q = ShardQueue([{"id": 0, "kind": "files", "paths": []}], lease_s=30, speculate_after=0)
+    output = OutputDir(tmp_path / "out", {"fingerprint": "f"})
+    output.open()
+    coordinator = Coordinator(q, output, "t:f")
+    work = coordinator.claim("busy")
+    assert coordinator.claim("idle")["action"] == "wait"  # no long poll asked for
+    answers: list[tuple[dict, float]] = []
+
+    def idle() -> None:
+        answers.append((coordinator.claim("idle", wait_s=20), time.monotonic()))
+
+    waiter = threading.Thread(target=idle)
+    waiter.start()
+    time.sleep(0.3)
+    assert not answers  # still waiting: nothing to hand out, the job not over
+    pq.write_table(pa.table({"x": [0]}), work["output"])
+    assert coordinator.complete("busy", work["attempt"])
+    committed = time.monotonic()
+    waiter.join(5)
+    ((answer, at),) = answers
+    assert answer == {"action": "stop", "error": None}
+    assert at - committed < 0.5
+    assert coordinator.stopped == {"idle"}

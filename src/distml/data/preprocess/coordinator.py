@@ -61,16 +61,26 @@ class Coordinator:
         self.workers: dict[str, float] = {}  # every worker seen -> when it last called
         self.stopped: set[str] = set()  # the workers answered "stop"
 
-    def claim(self, worker: str) -> dict[str, Any]:
+    def claim(self, worker: str, wait_s: float = 0.0) -> dict[str, Any]:
+        """Work for ``worker``, or stop. With nothing to hand out yet, the answer waits up to
+        ``wait_s`` for a shard to free up or the job to end (a long poll), so that a worker idle
+        at the job's end hears "stop" the moment the last shard is in, not a sleep later."""
+        deadline = time.monotonic() + wait_s
         with self.changed:
-            self.workers[worker] = time.monotonic()
-            attempt = self.queue.claim(worker)
-            if attempt is None:
+            while True:
+                self.workers[worker] = now = time.monotonic()
+                attempt = self.queue.claim(worker)
+                if attempt is not None:
+                    break
                 if self.queue.error is not None or self.queue.finished:
                     self.stopped.add(worker)
                     self.changed.notify_all()
                     return {"action": "stop", "error": self.queue.error}
-                return {"action": "wait", "seconds": min(0.5, self.queue.lease_s / 4)}
+                if now >= deadline:
+                    return {"action": "wait", "seconds": 0.0}
+                # Woken by a completion or a failure; and every 0.1 s, since time alone makes a
+                # lease run out or a slow shard worth a backup copy.
+                self.changed.wait(min(deadline - now, 0.1))
             shard = self.queue.shards[attempt.shard]
             return {
                 "action": "work",
@@ -166,7 +176,8 @@ def create_coordinator_app(coordinator: Coordinator, token: str) -> FastAPI:
     # Plain (not async) handlers: FastAPI runs them in its thread pool, where the lock may block.
     @app.post("/v1/claim")
     def claim(body: WorkerBody) -> dict[str, Any]:
-        answer = coordinator.claim(body.worker)
+        # A long poll holds one of the pool's threads (40 by default) for at most a second.
+        answer = coordinator.claim(body.worker, wait_s=min(1.0, coordinator.queue.lease_s / 4))
         if answer["action"] == "work":
             attempts.inc()
         return answer
