@@ -96,3 +96,14 @@ def test_a_failure_is_reported_with_its_cause_and_exits_1(capsys):
     assert raised.value.exit_code == 1
     assert raised.value.__suppress_context__  # the cause is told, not its traceback
     assert capsys.readouterr().err == "distml infer failed: rank 1 (exit code 1)\n"
+
+
+def test_the_command_imports_torch_only_for_commands_that_need_it():
+    """`distml --help`, `distml plan`, `distml serve router`, `distml preprocess`: none needs
+    torch (about 2 s to import), and a replica must set OpenMP's wait policy before it is."""
+    import subprocess
+    import sys
+
+    code = "import sys, distml.cli.main; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -21,7 +21,6 @@ from distml.config import (
     parse_straggler,
     parse_strategy,
 )
-from distml.launch.elastic import LaunchError, run_workers
 
 app = typer.Typer(
     name="distml",
@@ -227,6 +226,8 @@ def run(
     if not module and not Path(script).is_file():
         fail_usage(f"no such script: {script}")
     target = ["-m", script] if module else [script]
+    from distml.launch.elastic import LaunchError, run_workers
+
     try:
         if cfg.strategy.name == "ps":
             from distml.ps.job import run_ps_job
@@ -328,6 +329,7 @@ def demo(
     except ConfigError as exc:
         fail_usage(str(exc))
     from distml.data.preprocess import PreprocessError
+    from distml.launch.elastic import LaunchError
     from distml.lifecycle import run_lifecycle
 
     try:

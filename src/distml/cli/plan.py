@@ -12,7 +12,6 @@ from rich.console import Console
 from rich.table import Table
 
 from distml.cli.messages import fail_usage
-from distml.plan.bench import read_cluster_file
 from distml.plan.cost_model import (
     DEVICES,
     Cluster,
@@ -68,6 +67,8 @@ def plan(
     """Predict memory, step time, traffic and energy of a layout (or rank all layouts)."""
 
     if cluster_file is not None:
+        from distml.plan.bench import read_cluster_file  # imports torch: only when needed
+
         try:
             cluster = read_cluster_file(cluster_file)
         except ValueError as exc:
