@@ -12,6 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+# The suite tests the CPU paths, whose worlds of 2-4 workers would each need a GPU per worker on
+# a machine with GPUs: there they are hidden, unless DISTML_TEST_CUDA=1 asks for the CUDA tests
+# (tests/parallel/test_cuda.py). Set before anything initialises CUDA, which reads it once.
+CUDA_TESTS = os.environ.get("DISTML_TEST_CUDA") == "1"
+if not CUDA_TESTS:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 SCRIPTS = Path(__file__).resolve().parent / "launch" / "scripts"

@@ -1,6 +1,7 @@
 """The CUDA paths, on whatever GPUs the machine has: NCCL process groups, DDP with device ids,
 fp16 with a gradient scaler, NVML energy, the GPU's matmul rate. Each against its one-process
-oracle on the CPU. Skipped where torch sees no GPU (CI has none)."""
+oracle on the CPU. Run with DISTML_TEST_CUDA=1 (the rest of the suite hides the GPUs, see
+conftest.py); skipped where torch sees no GPU (CI has none)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from test_data_parallel import BATCH, STEPS, single_process, train_worker
 import distml
 from conftest import EXAMPLES, distml_cli, rel_err
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device, and DISTML_TEST_CUDA=1"
+)
 
 
 def on_gpu(ctx: distml.Context, fn, *args) -> dict:
