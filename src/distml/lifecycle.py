@@ -59,16 +59,16 @@ def write_raw_digits(path: Path) -> int:
     rows. Returns the number of rows."""
     import pyarrow as pa
     import pyarrow.csv as pacsv
-    from sklearn.datasets import load_digits
 
-    from distml.data.datasets import holdout_indices
+    from distml.data.datasets import digits_arrays, holdout_indices
 
-    bunch = load_digits()
-    n = len(bunch.target)
+    images, labels = digits_arrays()
+    pixels = images.reshape(len(labels), PIXELS).numpy().astype(np.int64)
+    n = len(labels)
     val = np.zeros(n, dtype=np.int8)
     val[holdout_indices(n, "val").numpy()] = 1
-    columns = {"id": np.arange(n), "val": val, "label": bunch.target}
-    columns.update({f"p{i}": bunch.data[:, i].astype(np.int64) for i in range(PIXELS)})
+    columns = {"id": np.arange(n), "val": val, "label": labels.numpy()}
+    columns.update({f"p{i}": pixels[:, i] for i in range(PIXELS)})
     path.parent.mkdir(parents=True, exist_ok=True)
     pacsv.write_csv(pa.table(columns), str(path))
     return n

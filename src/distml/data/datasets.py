@@ -2,8 +2,51 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load, save_file
 from torch.utils.data import TensorDataset
+
+CACHE_ENV = "DISTML_CACHE"
+
+
+def cache_dir() -> Path:
+    """Where distml keeps what it derives once per machine: ``$DISTML_CACHE``, else
+    ``$XDG_CACHE_HOME/distml``, else ``~/.cache/distml``."""
+    if folder := os.environ.get(CACHE_ENV):
+        return Path(folder)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "distml"
+
+
+def digits_arrays() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits as they ship: images (1797, 8, 8) of intensities 0-16 (uint8) and
+    labels (int64). Importing scikit-learn costs about 1.5 s of CPU, and every worker process
+    of a digits job would pay it: the arrays are read from a safetensors copy in
+    :func:`cache_dir` instead, written by the first process that needed them."""
+    path = cache_dir() / "digits-v1.safetensors"
+    try:
+        arrays = load(path.read_bytes())  # in memory: a mapped file could change under it
+        return arrays["images"], arrays["labels"]
+    except (OSError, SafetensorError, KeyError):
+        pass  # not cached yet (or a damaged copy): read it from scikit-learn, then cache it
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = torch.tensor(bunch.images, dtype=torch.uint8)
+    labels = torch.tensor(bunch.target, dtype=torch.int64)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Written aside, then renamed: processes starting together never read half a file.
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
+            save_file({"images": images, "labels": labels}, tmp.name)
+        os.replace(tmp.name, path)
+    except OSError:
+        pass  # a read-only home: no cache, the same arrays
+    return images, labels
 
 
 def digits(split: str = "train", val_fraction: float = 0.2, seed: int = 0) -> TensorDataset:
@@ -14,13 +57,10 @@ def digits(split: str = "train", val_fraction: float = 0.2, seed: int = 0) -> Te
     >>> train = digits("train"); x, y = train[0]; tuple(x.shape), int(y) < 10
     ((1, 8, 8), True)
     """
-    from sklearn.datasets import load_digits
-
     if split not in ("train", "val", "all"):
         raise ValueError(f"split must be 'train', 'val' or 'all', got {split!r}")
-    bunch = load_digits()
-    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(bunch.target, dtype=torch.long)
+    images, y = digits_arrays()
+    x = images.float().unsqueeze(1) / 16.0
     if split == "all":
         return TensorDataset(x, y)
     idx = holdout_indices(len(y), split, val_fraction, seed)

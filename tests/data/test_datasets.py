@@ -1,0 +1,48 @@
+"""The digits come from a cached copy, equal to scikit-learn's own, and a damaged copy is mended."""
+
+import subprocess
+import sys
+
+import torch
+from sklearn.datasets import load_digits
+
+from distml.data import digits
+from distml.data.datasets import CACHE_ENV, digits_arrays
+
+
+def test_the_cached_digits_are_scikit_learns(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    bunch = load_digits()
+    expected = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    for _ in range(2):  # the first call writes the copy, the second reads it
+        images, labels = digits_arrays()
+        assert (tmp_path / "digits-v1.safetensors").is_file()
+        assert torch.equal(images.float().unsqueeze(1) / 16.0, expected)
+        assert labels.tolist() == bunch.target.tolist()
+    x, y = digits("all").tensors
+    assert torch.equal(x, expected) and y.tolist() == bunch.target.tolist()
+
+    (tmp_path / "digits-v1.safetensors").write_bytes(b"half a file")
+    assert torch.equal(digits_arrays()[0], images)
+    assert torch.equal(digits_arrays()[0], images)  # rewritten whole
+
+
+def test_a_process_reading_the_cache_does_not_import_scikit_learn(tmp_path):
+    code = (
+        "import sys; from distml.data import digits; digits('train'); "
+        "print('sklearn' in sys.modules)"
+    )
+    env = {CACHE_ENV: str(tmp_path)}
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", code], env=env | _base_env(), capture_output=True, text=True
+        )
+        for _ in range(2)
+    ]
+    assert [r.stdout.strip() for r in runs] == ["True", "False"], runs[-1].stderr
+
+
+def _base_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != CACHE_ENV}
