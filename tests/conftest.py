@@ -38,23 +38,35 @@ def distml_cli(*args: str, timeout: float = 240, cwd: Path | None = None, **pope
     )
 
 
+def distml_invoke(*args: str, cwd: Path):
+    """``distml ARGS`` in this process (typer's runner, in ``cwd``): for commands refused before
+    anything starts, whose subprocess would mostly be spent importing torch. The result has
+    ``exit_code``, ``stdout`` and ``stderr``."""
+    from typer.testing import CliRunner
+
+    from distml.cli.main import app
+
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return CliRunner().invoke(app, list(args), prog_name="distml")
+    finally:
+        os.chdir(before)
+
+
 HELPERS = ("resource_tracker", "forkserver")
 
 
-def _is_multiprocessing_helper(pid: int) -> bool:
-    # Python's multiprocessing keeps one resource tracker and one fork server (distml.launch's
-    # workers fork from it) per parent until it exits.
+def _cmdline(pid: int) -> bytes:
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return False
-    return any(f"multiprocessing.{name}".encode() in cmdline for name in HELPERS)
+        return b""
 
 
-def child_pids(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (read from /proc); zombies and multiprocessing's resource
-    tracker and fork server excluded."""
-    parents: dict[int, list[int]] = {}
+def _process_tree() -> dict[int, int]:
+    """Every live process's parent (read from /proc); zombies left out."""
+    parent: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -63,15 +75,47 @@ def child_pids(pid: int) -> list[int]:
         except OSError:
             continue
         fields = stat[stat.rfind(")") + 2 :].split()
-        if fields[0] == "Z":
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(entry.name))
+        if fields[0] != "Z":
+            parent[int(entry.name)] = int(fields[1])
+    return parent
+
+
+def _forked_from_fork_server(pid: int, parent: dict[int, int]) -> bool:
+    # A fork server's children are forks of it: the same command line as their parent's.
+    return b"multiprocessing.forkserver" in _cmdline(parent.get(pid, 0))
+
+
+def _is_multiprocessing_helper(pid: int, parent: dict[int, int]) -> bool:
+    # Python's multiprocessing keeps one resource tracker and one fork server (distml.launch's
+    # workers fork from it) per parent until it exits; the workers forked from it are not helpers.
+    cmdline = _cmdline(pid)
+    helper = any(f"multiprocessing.{name}".encode() in cmdline for name in HELPERS)
+    return helper and not _forked_from_fork_server(pid, parent)
+
+
+def _descendants(pid: int, parent: dict[int, int]) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for child, ppid in parent.items():
+        children.setdefault(ppid, []).append(child)
     out, todo = [], [pid]
     while todo:
-        for child in parents.get(todo.pop(), []):
+        for child in children.get(todo.pop(), []):
             out.append(child)
             todo.append(child)
-    return [p for p in out if not _is_multiprocessing_helper(p)]
+    return out
+
+
+def child_pids(pid: int) -> list[int]:
+    """Every live descendant of ``pid``; zombies and multiprocessing's resource tracker and fork
+    server excluded (the workers forked from the fork server included)."""
+    parent = _process_tree()
+    return [p for p in _descendants(pid, parent) if not _is_multiprocessing_helper(p, parent)]
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The workers among ``pid``'s descendants: the processes forked from a fork server."""
+    parent = _process_tree()
+    return [p for p in _descendants(pid, parent) if _forked_from_fork_server(p, parent)]
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import EXAMPLES, SCRIPTS, child_pids, distml_cli, wait_for
+from conftest import EXAMPLES, SCRIPTS, child_pids, distml_cli, wait_for, worker_pids
 
 TORCHRUN_SCRIPT = SCRIPTS / "torchrun_ckpt.py"
 DIGITS = EXAMPLES / "digits" / "train.py"
@@ -167,18 +167,12 @@ def sigterm_pending(pid: int) -> bool:
     return any(mask & (1 << (signal.SIGTERM - 1)) for mask in masks)
 
 
-def worker_pids(proc: subprocess.Popen) -> list[int]:
-    return [
-        p for p in child_pids(proc.pid) if b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes()
-    ]
-
-
 @pytest.mark.parametrize("how", ["sigkill", "hang"])
 def test_distml_script_survives_a_lost_worker(tmp_path, digits_reference, how):
     extra = ["--max-restarts", "1", "--timeout", "5"]
     proc = start(digits_args(tmp_path, "faulty", *extra))
     wait_for(lambda: latest_step(tmp_path / "faulty") >= 10, 120, "a checkpoint at step 10")
-    victim = max(worker_pids(proc))
+    victim = max(worker_pids(proc.pid))
     t0 = time.monotonic()
     os.kill(victim, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
     if how == "hang":

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import EXAMPLES, distml_cli, wait_for
+from conftest import EXAMPLES, distml_cli, distml_invoke, wait_for
 from distml.launch.elastic import free_port
 
 TOKEN = "standalone-token-0123456789"
@@ -123,10 +123,11 @@ def test_digits_example_under_bsp_with_a_backup_worker(tmp_path):
     ],
 )
 def test_bad_ps_flags_exit_2_before_anything_starts(tmp_path, args, message):
-    result = distml_cli(
-        "run", *args, "--runs-dir", str(tmp_path), str(EXAMPLES / "digits" / "train.py")
-    )
-    assert result.returncode == 2 and message in result.stderr, result.stderr
+    result = distml_invoke(
+        "run", *args, "--runs-dir", str(tmp_path), str(EXAMPLES / "digits" / "train.py"),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.exit_code == 2 and message in result.stderr, (result.stderr, result.exception)
     assert not list(tmp_path.iterdir())
 
 

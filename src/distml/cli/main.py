@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -66,7 +67,8 @@ def resolve_run_config(
         fields = load_config(config_file).model_dump(exclude_unset=True)
     if nproc is not None:
         fields["nproc"] = nproc
-    fields.setdefault("nproc", _default_nproc())
+    if "nproc" not in fields:
+        fields["nproc"] = _default_nproc()
     if nnodes is not None:
         fields["min_nodes"], fields["max_nodes"] = parse_nnodes(nnodes)
     flags = {
@@ -226,7 +228,11 @@ def run(
     if not module and not Path(script).is_file():
         fail_usage(f"no such script: {script}")
     target = ["-m", script] if module else [script]
-    from distml.launch.elastic import LaunchError, run_workers
+    if cfg.strategy.name != "ps":
+        from distml.launch.forkserver import start_fork_server
+
+        start_fork_server()  # its torch import runs alongside this process's, just below
+    from distml.launch.elastic import LaunchError, run_program, run_workers
 
     try:
         if cfg.strategy.name == "ps":
@@ -234,7 +240,7 @@ def run(
 
             run_ps_job(cfg, [sys.executable, "-u", *target, *ctx.args])
         else:
-            run_workers(cfg, sys.executable, ("-u", *target, *ctx.args))
+            run_workers(cfg, run_program, ([*target, *ctx.args], os.getcwd()))
     except ConfigError as exc:
         fail_usage(str(exc))
     except LaunchError as exc:

@@ -21,8 +21,11 @@ from distml.federated.partition import partition
 from distml.federated.privacy import ClientLevelDP
 from distml.federated.server import FederatedServer, ServerConfig
 from distml.federated.strategy import Strategy
+from distml.launch.forkserver import start_fork_server
 from distml.net import BackgroundServer
 from distml.net.ports import free_port
+
+_FORKSERVER_PRELOAD = ["torch", "distml.data", "distml.federated.client"]
 
 
 @dataclass
@@ -83,7 +86,9 @@ def simulate(
     app = create_fl_app(server, tokens)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    ctx = mp.get_context("spawn")
+    # Forked from the preloaded fork server (a spawned worker paid torch's import each).
+    start_fork_server(_FORKSERVER_PRELOAD)
+    ctx = mp.get_context("forkserver")
     workers = []
     started = time.perf_counter()
     with BackgroundServer(app, port):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import multiprocessing
 import os
 import socket
 import struct
@@ -26,11 +25,15 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from distml.config import CONFIG_ENV, ConfigError, RunConfig, parse_endpoint, save_config
+from distml.launch.forkserver import start_fork_server
 from distml.net.ports import free_port
 from distml.runtime.devices import gpu_share_error
 
 ATTEMPT_ENV = "DISTML_ATTEMPT"
-log = logging.getLogger("distml.launch")
+# A failed worker makes torch's agent log the failure, and a function's with a traceback that
+# torch's log formatter renders by importing torch._dynamo (2.3 s here): LaunchError reports
+# each failed rank with its cause instead, so the agent's own report is kept quiet.
+_AGENT_FAILURE_LOG = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
 
 
 @dataclass
@@ -38,6 +41,9 @@ class WorkerFailure:
     rank: int
     exitcode: int
     message: str
+
+    def __str__(self) -> str:
+        return f"--- rank {self.rank} (exit code {self.exitcode}) ---\n{self.message}".rstrip()
 
 
 class LaunchError(RuntimeError):
@@ -47,8 +53,7 @@ class LaunchError(RuntimeError):
         self.failures = failures
         self.attempts = attempts
         lines = [f"workers failed after {attempts} attempt(s):"]
-        for f in failures:
-            lines.append(f"--- rank {f.rank} (exit code {f.exitcode}) ---\n{f.message}".rstrip())
+        lines += [str(f) for f in failures]
         super().__init__("\n".join(lines))
 
 
@@ -121,18 +126,15 @@ def launch_config(config: RunConfig, attempt: int, local_addr: str) -> LaunchCon
         rdzv_configs=rdzv_configs,
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="forkserver",  # for a function entrypoint; a program is exec'd
+        # A function's workers fork from the preloaded fork server (distml.launch.forkserver),
+        # a Python program's too (run_program); any other executable is exec'd.
+        start_method="forkserver",
         local_addr=local_addr,
         logs_specs=DefaultLogsSpecs(log_dir=str(config.run_dir / "logs" / f"attempt{attempt}")),
         **_SHUTDOWN,
     )
 
 
-# A function's workers fork from multiprocessing's fork server, which imports torch and distml's
-# worker side once for this process's lifetime: a launch then starts in about a second, where
-# spawned workers each paid torch's import (about 2 s of CPU). Torch is imported there without
-# touching CUDA, so the forks may use it. A program's workers stay new processes.
-_FORKSERVER_PRELOAD = ["torch", "distml.runtime.context"]
 # What torch's elastic agent sets in each worker (its rank, world, rendezvous): these come from
 # the agent; the rest of the worker's environment from this process's, as a spawned one has it.
 _AGENT_VARS = {
@@ -165,6 +167,36 @@ def _in_launch_environment(environ: dict[str, str], fn: Callable[..., Any], *arg
     if threads := os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(threads))
     return fn(*args)
+
+
+def run_program(argv: list[str], cwd: str) -> None:
+    """``python -u ARGV`` in this forked worker, from the working directory ``cwd``, as torchrun's
+    ``--run-path`` runs a script (with torch's ``run_script_path``). ``ARGV`` is ``[script,
+    *args]`` or ``["-m", module, *args]``; ``sys.path[0]`` is what the interpreter would have set.
+    An uncaught exception is reported with its traceback, in the restart notice or LaunchError."""
+    import runpy
+
+    from torch.distributed.run import run_script_path
+
+    os.chdir(cwd)
+    sys.stdout.reconfigure(line_buffering=True)  # the worker's output interleaves by lines
+    if argv[0] == "-m":
+        sys.path.insert(0, cwd)
+        sys.argv = argv[1:]  # run_module puts the module's file in argv[0]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.realpath(argv[0])))
+        run_script_path(*argv)
+
+
+@contextmanager
+def _log_level(logger: logging.Logger, level: int) -> Iterator[None]:
+    saved = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(saved)
 
 
 @contextmanager
@@ -212,7 +244,7 @@ def run_workers(
         # torch's default of one thread per core would oversubscribe the CPU N times.
         worker_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
     if callable(entrypoint):
-        multiprocessing.set_forkserver_preload(_FORKSERVER_PRELOAD)
+        start_fork_server()
     last: list[WorkerFailure] = []
     for attempt in range(config.max_restarts + 1):
         env = {CONFIG_ENV: str(config_path.resolve()), ATTEMPT_ENV: str(attempt), **worker_env}
@@ -223,14 +255,16 @@ def run_workers(
                 target, target_args = entrypoint, args
             try:
                 agent = launch_config(config, attempt, local_addr)
-                return elastic_launch(agent, target)(*target_args)
+                with _log_level(_AGENT_FAILURE_LOG, logging.CRITICAL):
+                    return elastic_launch(agent, target)(*target_args)
             except ChildFailedError as err:
                 last = _failures(err)
         ranks = ", ".join(str(f.rank) for f in last)
         if attempt < config.max_restarts:
+            causes = "\n".join(str(f) for f in last)
             print(
                 f"distml: rank(s) {ranks} failed on attempt {attempt}; restarting "
-                f"({attempt + 1}/{config.max_restarts})",
+                f"({attempt + 1}/{config.max_restarts})\n{causes}",
                 file=sys.stderr,
             )
     raise LaunchError(last, config.max_restarts + 1)
