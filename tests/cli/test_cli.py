@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import typer
 
@@ -90,6 +92,31 @@ def test_run_module_with_its_arguments(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [(tmp_path / f"out{r}.txt").read_text() for r in (0, 1)] == ["--steps 3 x"] * 2
+
+
+def test_a_script_sees_what_python_would_give_it_and_its_exception_is_reported(tmp_path):
+    # Workers fork from a fork server and run the script in it: as `python sub/probe.py` would.
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "helper.py").write_text("VALUE = 'imported from the script folder'\n")
+    (tmp_path / "sub" / "probe.py").write_text(
+        "import json, os, sys\n"
+        "import helper\n"
+        "if __name__ == '__main__':\n"
+        "    rank = os.environ['RANK']\n"
+        "    seen = [sys.argv, sys.path[0], os.getcwd(), helper.VALUE]\n"
+        "    open(f'seen{rank}.json', 'w').write(json.dumps(seen))\n"
+        "    if rank == '1':\n"
+        "        raise ValueError('rank one cannot go on')\n"
+    )
+    proc = distml_cli("run", "--nproc", "2", "sub/probe.py", "--x", "1", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1
+    for rank in (0, 1):
+        argv, path0, cwd, value = json.loads((tmp_path / f"seen{rank}.json").read_text())
+        assert argv == ["sub/probe.py", "--x", "1"]
+        assert path0 == str((tmp_path / "sub").resolve()) and cwd == str(tmp_path)
+        assert value == "imported from the script folder"
+    report = proc.stderr[proc.stderr.index("distml run failed") :]
+    assert "rank 1 (exit code 1)" in report and "ValueError: rank one cannot go on" in report
 
 
 def test_a_failure_is_reported_with_its_cause_and_exits_1(capsys):
