@@ -10,12 +10,19 @@ rank 0's value. distml's workers fork from a fork server that imported torch onc
 are spawned, and each imports torch. The first distml launch, which starts the fork server, is
 reported apart from the median of the others. The rows alternate, so that the machine's drift
 falls on both.
+
+Then the commands, each a new process as a user types it: ``distml run --nproc N SCRIPT`` against
+``torchrun --standalone --nproc-per-node N SCRIPT``, SCRIPT a torchrun script that joins the
+group and passes a barrier. distml's workers fork from a fork server it starts as the command
+begins; torchrun's are new interpreters.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 import time
 import uuid
 from typing import Any
@@ -62,6 +69,20 @@ def torch_launch(nproc: int) -> Any:
     return elastic_launch(config, torch_worker)()[0]
 
 
+SCRIPT = """\
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def command(argv: list[str], cwd: str) -> bool:
+    subprocess.run(argv, cwd=cwd, check=True, capture_output=True)
+    return True
+
+
 def timed(fn, *args) -> float:
     start = time.perf_counter()
     out = fn(*args)
@@ -91,6 +112,18 @@ def main() -> None:
         for i in range(args.repeats):
             times["torch"].append(timed(torch_launch, args.nproc))
             times["distml"].append(timed(distml_launch, i + 1))
+
+        script = tmp / "barrier.py"
+        script.write_text(SCRIPT)
+        n = str(args.nproc)
+        argvs = {
+            "distml run": [sys.executable, "-m", "distml", "run", "--nproc", n, str(script)],
+            "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         "--nproc-per-node", n, str(script)],
+        }  # fmt: skip
+        for _ in range(args.repeats):
+            for name, argv in argvs.items():
+                times.setdefault(name, []).append(timed(command, argv, str(tmp)))
     med = {k: median(v) for k, v in times.items()}
     out = {
         "machine": machine_info(),
@@ -99,15 +132,20 @@ def main() -> None:
         "times_s": times,
         "median_s": med,
         "speedup": med["torch"] / med["distml"],
+        "command_speedup": med["torchrun"] / med["distml run"],
     }
     rows = [
         ["distml.launch, first (starts the fork server)", f"{first:.2f}", "-"],
         ["distml.launch, later", f"{med['distml']:.2f}", spread(times["distml"])],
         ["torch elastic_launch, spawn", f"{med['torch']:.2f}", spread(times["torch"])],
-    ]
+        [f"distml run --nproc {n} SCRIPT", f"{med['distml run']:.2f}", spread(times["distml run"])],
+        [f"torchrun --nproc-per-node {n} SCRIPT", f"{med['torchrun']:.2f}",
+         spread(times["torchrun"])],
+    ]  # fmt: skip
     print_table(
         f"Launching {args.nproc} workers into a process group "
-        f"(distml {out['speedup']:.1f}x faster after its first launch)",
+        f"(distml {out['speedup']:.1f}x faster after its first launch; "
+        f"distml run {out['command_speedup']:.2f}x torchrun)",
         ["launch", "median s", "spread"],
         rows,
     )

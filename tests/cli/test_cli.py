@@ -106,6 +106,8 @@ def test_a_script_sees_what_python_would_give_it_and_its_exception_is_reported(t
         "    seen = [sys.argv, sys.path[0], os.getcwd(), helper.VALUE]\n"
         "    open(f'seen{rank}.json', 'w').write(json.dumps(seen))\n"
         "    if rank == '1':\n"
+        "        while not os.path.exists('seen0.json'):  # else rank 0 is stopped first\n"
+        "            pass\n"
         "        raise ValueError('rank one cannot go on')\n"
     )
     proc = distml_cli("run", "--nproc", "2", "sub/probe.py", "--x", "1", cwd=tmp_path, timeout=120)

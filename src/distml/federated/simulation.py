@@ -25,8 +25,6 @@ from distml.launch.forkserver import start_fork_server
 from distml.net import BackgroundServer
 from distml.net.ports import free_port
 
-_FORKSERVER_PRELOAD = ["torch", "distml.data", "distml.federated.client"]
-
 
 @dataclass
 class SimulationConfig:
@@ -87,7 +85,7 @@ def simulate(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     # Forked from the preloaded fork server (a spawned worker paid torch's import each).
-    start_fork_server(_FORKSERVER_PRELOAD)
+    start_fork_server()
     ctx = mp.get_context("forkserver")
     workers = []
     started = time.perf_counter()
