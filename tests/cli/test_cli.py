@@ -99,14 +99,15 @@ def test_a_script_sees_what_python_would_give_it_and_its_exception_is_reported(t
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "helper.py").write_text("VALUE = 'imported from the script folder'\n")
     (tmp_path / "sub" / "probe.py").write_text(
-        "import json, os, sys\n"
+        "import atexit, json, os, sys\n"
         "import helper\n"
         "if __name__ == '__main__':\n"
         "    rank = os.environ['RANK']\n"
+        "    atexit.register(lambda: open(f'atexit{rank}', 'w').close())\n"
         "    seen = [sys.argv, sys.path[0], os.getcwd(), helper.VALUE]\n"
         "    open(f'seen{rank}.json', 'w').write(json.dumps(seen))\n"
         "    if rank == '1':\n"
-        "        while not os.path.exists('seen0.json'):  # else rank 0 is stopped first\n"
+        "        while not os.path.exists('atexit0'):  # rank 0 has ended; else it is stopped\n"
         "            pass\n"
         "        raise ValueError('rank one cannot go on')\n"
     )
@@ -117,6 +118,7 @@ def test_a_script_sees_what_python_would_give_it_and_its_exception_is_reported(t
         assert argv == ["sub/probe.py", "--x", "1"]
         assert path0 == str((tmp_path / "sub").resolve()) and cwd == str(tmp_path)
         assert value == "imported from the script folder"
+    assert (tmp_path / "atexit0").exists() and (tmp_path / "atexit1").exists()
     report = proc.stderr[proc.stderr.index("distml run failed") :]
     assert "rank 1 (exit code 1)" in report and "ValueError: rank one cannot go on" in report
 

@@ -172,21 +172,27 @@ def _in_launch_environment(environ: dict[str, str], fn: Callable[..., Any], *arg
 def run_program(argv: list[str], cwd: str) -> None:
     """``python -u ARGV`` in this forked worker, from the working directory ``cwd``, as torchrun's
     ``--run-path`` runs a script (with torch's ``run_script_path``). ``ARGV`` is ``[script,
-    *args]`` or ``["-m", module, *args]``; ``sys.path[0]`` is what the interpreter would have set.
+    *args]`` or ``["-m", module, *args]``; ``sys.path[0]`` is what the interpreter would have set,
+    and the program's ``atexit`` functions run when it ends, as at an interpreter's exit.
     An uncaught exception is reported with its traceback, in the restart notice or LaunchError."""
+    import atexit
     import runpy
 
     from torch.distributed.run import run_script_path
 
     os.chdir(cwd)
     sys.stdout.reconfigure(line_buffering=True)  # the worker's output interleaves by lines
-    if argv[0] == "-m":
-        sys.path.insert(0, cwd)
-        sys.argv = argv[1:]  # run_module puts the module's file in argv[0]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.realpath(argv[0])))
-        run_script_path(*argv)
+    atexit._clear()  # the fork server's own: not the program's to run
+    try:
+        if argv[0] == "-m":
+            sys.path.insert(0, cwd)
+            sys.argv = argv[1:]  # run_module puts the module's file in argv[0]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.realpath(argv[0])))
+            run_script_path(*argv)
+    finally:
+        atexit._run_exitfuncs()  # a forked worker ends with os._exit, which runs none
 
 
 @contextmanager
