@@ -43,19 +43,24 @@ TOKEN = "benchmark-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PATH = "/v2/models/digits-cnn/infer"
 WARM_UP = 20  # requests before the timed ones
+HEADERS = {**AUTH, "Content-Type": "application/json"}
+
+
+def request_body() -> bytes:
+    """One image of the digits CNN, as an Open Inference Protocol request."""
+    x = torch.randn(1, 1, 8, 8).flatten().tolist()
+    payload = {"inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": x}]}
+    return json.dumps(payload).encode()
 
 
 async def load(url: str, requests: int, concurrency: int) -> dict[str, Any]:
-    x = torch.randn(1, 1, 8, 8).flatten().tolist()
-    payload = {"inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": x}]}
-    body = json.dumps(payload).encode()
-    headers = {**AUTH, "Content-Type": "application/json"}
+    body = request_body()
     latencies: list[float] = []
     errors = 0
     remaining = requests
 
     async def post(http: aiohttp.ClientSession) -> int:
-        async with http.post(url + PATH, data=body, headers=headers) as r:
+        async with http.post(url + PATH, data=body, headers=HEADERS) as r:
             await r.read()
             return r.status
 
@@ -93,22 +98,18 @@ async def client_cost(url: str, client: str, requests: int, concurrency: int) ->
     """CPU of this process per request, and requests/s, for ``requests`` one-row requests at
     ``concurrency`` through httpx's AsyncClient or aiohttp's ClientSession: what the router
     spends calling its replicas, and what a load generator spends."""
-    body = json.dumps(
-        {"inputs": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32",
-                     "data": [0.5] * 64}]}
-    ).encode()  # fmt: skip
-    headers = {**AUTH, "Content-Type": "application/json"}
+    body = request_body()
     if client == "httpx":
         limits = httpx.Limits(max_connections=concurrency)
         session: Any = httpx.AsyncClient(limits=limits, timeout=60)
 
         async def post() -> None:
-            (await session.post(url + PATH, content=body, headers=headers)).raise_for_status()
+            (await session.post(url + PATH, content=body, headers=HEADERS)).raise_for_status()
     else:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency))
 
         async def post() -> None:
-            async with session.post(url + PATH, data=body, headers=headers) as r:
+            async with session.post(url + PATH, data=body, headers=HEADERS) as r:
                 r.raise_for_status()
                 await r.read()
 
@@ -117,7 +118,7 @@ async def client_cost(url: str, client: str, requests: int, concurrency: int) ->
             await post()
 
     async with session:
-        await sender(20)  # warm-up: connections
+        await sender(WARM_UP)  # connections
         cpu, wall = time.process_time(), time.perf_counter()
         await asyncio.gather(*(sender(requests // concurrency) for _ in range(concurrency)))
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
