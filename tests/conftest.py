@@ -57,7 +57,8 @@ def distml_invoke(*args: str, cwd: Path):
 HELPERS = ("resource_tracker", "forkserver")
 
 
-def _cmdline(pid: int) -> bytes:
+def cmdline(pid: int) -> bytes:
+    """``pid``'s command line, NUL-separated as /proc has it; empty once it is gone."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -82,14 +83,14 @@ def _process_tree() -> dict[int, int]:
 
 def _forked_from_fork_server(pid: int, parent: dict[int, int]) -> bool:
     # A fork server's children are forks of it: the same command line as their parent's.
-    return b"multiprocessing.forkserver" in _cmdline(parent.get(pid, 0))
+    return b"multiprocessing.forkserver" in cmdline(parent.get(pid, 0))
 
 
 def _is_multiprocessing_helper(pid: int, parent: dict[int, int]) -> bool:
     # Python's multiprocessing keeps one resource tracker and one fork server (distml.launch's
     # workers fork from it) per parent until it exits; the workers forked from it are not helpers.
-    cmdline = _cmdline(pid)
-    helper = any(f"multiprocessing.{name}".encode() in cmdline for name in HELPERS)
+    command = cmdline(pid)
+    helper = any(f"multiprocessing.{name}".encode() in command for name in HELPERS)
     return helper and not _forked_from_fork_server(pid, parent)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import child_pids, distml_cli, wait_for
+from conftest import child_pids, cmdline, distml_cli, wait_for
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "ps_train.py")
 TOKEN = "fault-test-token-0123456789"
@@ -69,10 +69,7 @@ def test_bsp_drops_a_silent_worker_and_readmits_it_after_restart(tmp_path):
 
 def _shard_port(parent: int) -> int:
     for pid in child_pids(parent):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
+        cmd = cmdline(pid).split(b"\0")
         if b"serve" in cmd and b"--port" in cmd:
             return int(cmd[cmd.index(b"--port") + 1])
     raise LookupError("no shard process yet")
@@ -80,7 +77,7 @@ def _shard_port(parent: int) -> int:
 
 def _shard_pid(parent: int) -> int:
     for pid in child_pids(parent):
-        if b"serve" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+        if b"serve" in cmdline(pid).split(b"\0"):
             return pid
     raise LookupError("no shard process")
 

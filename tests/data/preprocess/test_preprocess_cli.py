@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from conftest import child_pids, wait_for
+from conftest import child_pids, cmdline, wait_for
 from distml.cli.main import app
 from distml.data.preprocess import CsvSource, PreprocessError, plan, preprocess, read_table
 from distml.data.preprocess.coordinator import Coordinator, create_coordinator_app
@@ -212,13 +212,6 @@ def test_a_remote_worker_stopped_by_a_failed_job_exits_1_with_its_error(csv, tmp
     assert "the job failed" in stderr and "row 0 is corrupt" in stderr
 
 
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
 def _alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -238,7 +231,7 @@ def test_local_workers_die_with_a_killed_coordinator(csv, tmp_path):
     pids: list[int] = []
 
     def workers() -> list[int]:  # once a worker runs its own code, it is set to die with the job
-        return [p for p in child_pids(job.pid) if b"distml.data.preprocess.worker" in _cmdline(p)]
+        return [p for p in child_pids(job.pid) if b"distml.data.preprocess.worker" in cmdline(p)]
 
     try:
         wait_for(lambda: len(workers()) == 2, 120, "two local workers")
