@@ -12,12 +12,13 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 
-# What a launched worker needs: torch and distml's worker side (distml.launch, distml.run).
+# What a worker needs: torch, and the Context that distml.launch's functions and distml run's
+# scripts build (the federated simulation's clients import their own few modules).
 WORKER_PRELOAD = ["torch", "distml.runtime.context"]
 
 
-def start_fork_server(preload: list[str] = WORKER_PRELOAD) -> None:
-    """Start the fork server, if it is not running yet, importing ``preload``; returns at once
-    (the first fork waits for the imports)."""
-    multiprocessing.set_forkserver_preload(preload)
+def start_fork_server() -> None:
+    """Start the fork server, if it is not running yet, importing ``WORKER_PRELOAD``; returns at
+    once (the first fork waits for the imports)."""
+    multiprocessing.set_forkserver_preload(WORKER_PRELOAD)
     multiprocessing.forkserver.ensure_running()
