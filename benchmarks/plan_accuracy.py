@@ -1,6 +1,6 @@
 """The planner's predictions against what distml measures, same run, same machine.
 
-    python benchmarks/plan_accuracy.py [--steps 8] [--repeats 3] [--layouts ddp4,fsdp4,...]
+    python benchmarks/plan_accuracy.py [--rounds 3] [--steps 8] [--repeats 3] [--layouts ...]
 
 First ``distml bench``'s measurement runs in a world of 4 workers (matmul FLOP/s per worker
 while all 4 compute, collectives, latency) with the benchmark's GPT, batch and micro-batches
@@ -12,6 +12,11 @@ step time and the memory per device, and a world of 4 workers trains the layout 
 and the largest rank's model state and activation peak from its summary. The table prints both,
 with the error of the prediction, and the error the formulas alone (the matmul rate, no
 profile) would make. Goals: step time within 15%, memory within 10%.
+
+The whole of that is one round, and the run makes ``--rounds`` of them, every other one with
+the layouts in reverse order: this machine's speed drifts by tens of percent over minutes, and
+one calibration followed by one measurement catches whatever drift fell between them. The
+table gives each layout's medians over the rounds and every round's error.
 """
 
 from __future__ import annotations
@@ -57,87 +62,110 @@ def error(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured
 
 
+def measure_round(runs: Path, names: list[str], steps: int, repeats: int) -> dict:
+    """One ``distml bench`` calibration, then every layout in ``names`` predicted from it and
+    measured right after."""
+    model = model_spec(MODEL, gpt_params(MODEL))
+    runs.mkdir()
+    bench = distml.launch(
+        lambda ctx: measure(gpt=MODEL, global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES),
+        nproc=4,
+        runs_dir=runs,
+        run_name="bench",
+        telemetry={"progress": False},
+    )
+    cluster = cluster_from_dict(bench)
+    formulas = replace(cluster, calibration=None)
+    print(f"cluster: {bench['device']}", flush=True)
+    layouts: dict[str, dict] = {}
+    for name in names:
+        mesh, par = LAYOUTS[name]
+        layout = layout_of(mesh, par)
+        recompute = par.get("activation_checkpointing", "none")
+        training = training_for(layout, GLOBAL_BATCH, MICROBATCHES, "fp32", recompute)
+        pred = predict(model, cluster, training, layout)
+        uncalibrated = predict(model, formulas, training, layout)
+        out = launch_layout(name, runs, worker, steps, repeats)
+        mem = out["memory"]
+        state = max((m["params"] + m["grads"] + m["optimizer"] for m in mem), default=None)
+        acts = max((m["activations"] for m in mem), default=None)
+        pred_state = sum(pred.memory_bytes[k] for k in ("params", "grads", "optimizer"))
+        layouts[name] = {
+            "layout": vars(layout),
+            "predicted": {
+                "step_s": pred.step_time_s,
+                "step_s_formulas": uncalibrated.step_time_s,
+                "notes": pred.notes,
+                "compute_s": pred.compute_s,
+                "comm_exposed_s": pred.comm_exposed_s,
+                "bubble": pred.bubble_fraction,
+                "state_bytes": pred_state,
+                "activation_bytes": pred.memory_bytes["activations"],
+            },
+            "measured": {"step_s": median(out["step_s"]), "steps_s": out["step_s"]},
+        }
+        if state is not None:
+            layouts[name]["measured"].update(state_bytes=state, activation_bytes=acts)
+        print(
+            f"{name}: step predicted {pred.step_time_s * 1e3:.1f} ms, measured "
+            f"{median(out['step_s']) * 1e3:.1f} ms",
+            flush=True,
+        )
+    return {"cluster": bench, "layouts": layouts}
+
+
+def summary_row(name: str, rounds: list[dict]) -> list[str]:
+    """A layout's medians over the rounds, each round's step-time error, and its memory (the
+    same in every round: the first round's)."""
+    of_layout = [r["layouts"][name] for r in rounds]
+    predicted = [r["predicted"]["step_s"] for r in of_layout]
+    measured = [r["measured"]["step_s"] for r in of_layout]
+    errors = [error(p, m) for p, m in zip(predicted, measured, strict=True)]
+    formulas = [
+        error(r["predicted"]["step_s_formulas"], m)
+        for r, m in zip(of_layout, measured, strict=True)
+    ]
+    row = [
+        name,
+        f"{median(predicted) * 1e3:.1f}",
+        f"{median(measured) * 1e3:.1f}",
+        f"{median(errors):+.0%}",
+        ", ".join(f"{e:+.0%}" for e in errors),
+        f"{median(formulas):+.0%}",
+    ]
+    p, m = of_layout[0]["predicted"], of_layout[0]["measured"]
+    for key in ("state_bytes", "activation_bytes"):
+        if key in m:
+            mib = [f"{p[key] / 2**20:.2f}", f"{m[key] / 2**20:.2f}"]
+            row += [*mib, f"{error(p[key], m[key]):+.0%}"]
+        else:
+            row += ["-", "-", "-"]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="timed steps per block")
     parser.add_argument("--repeats", type=int, default=3, help="timed blocks per layout")
+    parser.add_argument("--rounds", type=int, default=3, help="calibrations, each then measured")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
-    n_params = gpt_params(MODEL)
-    model = model_spec(MODEL, n_params)
-    results: dict[str, dict] = {}
+    names = args.layouts.split(",")
+    rounds = []
     with scratch_dir("distml-bench-plan-") as runs:
-        bench = distml.launch(
-            lambda ctx: measure(gpt=MODEL, global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES),
-            nproc=4,
-            runs_dir=runs,
-            run_name="bench",
-            telemetry={"progress": False},
-        )
-        cluster = cluster_from_dict(bench)
-        formulas = replace(cluster, calibration=None)
-        print(f"cluster: {bench['device']}", flush=True)
-        for name in args.layouts.split(","):
-            mesh, par = LAYOUTS[name]
-            layout = layout_of(mesh, par)
-            recompute = par.get("activation_checkpointing", "none")
-            training = training_for(layout, GLOBAL_BATCH, MICROBATCHES, "fp32", recompute)
-            pred = predict(model, cluster, training, layout)
-            uncalibrated = predict(model, formulas, training, layout)
-            out = launch_layout(name, runs, worker, args.steps, args.repeats)
-            mem = out["memory"]
-            state = max((m["params"] + m["grads"] + m["optimizer"] for m in mem), default=None)
-            acts = max((m["activations"] for m in mem), default=None)
-            pred_state = sum(pred.memory_bytes[k] for k in ("params", "grads", "optimizer"))
-            results[name] = {
-                "layout": vars(layout),
-                "predicted": {
-                    "step_s": pred.step_time_s,
-                    "step_s_formulas": uncalibrated.step_time_s,
-                    "notes": pred.notes,
-                    "compute_s": pred.compute_s,
-                    "comm_exposed_s": pred.comm_exposed_s,
-                    "bubble": pred.bubble_fraction,
-                    "state_bytes": pred_state,
-                    "activation_bytes": pred.memory_bytes["activations"],
-                },
-                "measured": {"step_s": median(out["step_s"]), "steps_s": out["step_s"]},
-            }
-            if state is not None:
-                results[name]["measured"].update(state_bytes=state, activation_bytes=acts)
-            print(
-                f"{name}: step predicted {pred.step_time_s * 1e3:.1f} ms, measured "
-                f"{median(out['step_s']) * 1e3:.1f} ms",
-                flush=True,
-            )
-    rows = []
-    for name, res in results.items():
-        p, m = res["predicted"], res["measured"]
-        row = [
-            name,
-            f"{p['step_s'] * 1e3:.1f}",
-            f"{m['step_s'] * 1e3:.1f}",
-            f"{error(p['step_s'], m['step_s']):+.0%}",
-            f"{error(p['step_s_formulas'], m['step_s']):+.0%}",
-        ]
-        for key in ("state_bytes", "activation_bytes"):
-            if key in m:
-                row += [
-                    f"{p[key] / 2**20:.2f}",
-                    f"{m[key] / 2**20:.2f}",
-                    f"{error(p[key], m[key]):+.0%}",
-                ]
-            else:
-                row += ["-", "-", "-"]
-        rows.append(row)
+        for r in range(args.rounds):  # every other round in reverse, so drift spreads evenly
+            order = names if r % 2 == 0 else names[::-1]
+            rounds.append(measure_round(runs / f"round-{r}", order, args.steps, args.repeats))
     print_table(
         "Planner vs measured, GPT "
-        f"{MODEL.layers}x{MODEL.hidden}, global batch {GLOBAL_BATCH}, 4 processes",
+        f"{MODEL.layers}x{MODEL.hidden}, global batch {GLOBAL_BATCH}, 4 processes, "
+        f"medians of {args.rounds} rounds",
         [
             "layout",
             "step ms (pred)",
             "step ms (meas)",
             "error",
+            "error by round",
             "error, formulas only",
             "state MiB (pred)",
             "state MiB (meas)",
@@ -146,9 +174,9 @@ def main() -> None:
             "act MiB (meas)",
             "error",
         ],
-        rows,
+        [summary_row(name, rounds) for name in names],
     )
-    out = {"machine": machine_info(), "args": vars(args), "cluster": bench, "layouts": results}
+    out = {"machine": machine_info(), "args": vars(args), "rounds": rounds}
     print(f"results: {write_json('plan_accuracy', out)}")
 
 

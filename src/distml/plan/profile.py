@@ -89,6 +89,11 @@ def _subgroup(size: int) -> dist.ProcessGroup:
     return mine
 
 
+# torch 2.13 renamed the single-tensor collectives and deprecated the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _collective(name: str, nbytes: int, group: dist.ProcessGroup) -> Callable[[], Any]:
     """One call of ``name`` with ``nbytes`` of input on each rank of ``group``."""
     size = dist.get_world_size(group)
@@ -97,9 +102,9 @@ def _collective(name: str, nbytes: int, group: dist.ProcessGroup) -> Callable[[]
         return lambda: dist.all_reduce(x, group=group)
     if name == "all_gather":
         gathered = torch.empty(x.numel() * size)
-        return lambda: dist.all_gather_into_tensor(gathered, x, group=group)
+        return lambda: _all_gather(gathered, x, group=group)
     shard = torch.empty(x.numel() // size)
-    return lambda: dist.reduce_scatter_tensor(shard, x, group=group)
+    return lambda: _reduce_scatter(shard, x, group=group)
 
 
 def _send_pair(nbytes: int) -> Callable[[], None]:
