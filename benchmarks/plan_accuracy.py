@@ -1,11 +1,12 @@
 """The planner's predictions against what distml measures, same run, same machine.
 
-    python benchmarks/plan_accuracy.py [--rounds 3] [--steps 8] [--repeats 3] [--layouts ...]
+    python benchmarks/plan_accuracy.py [--rounds 3] [--passes 3] [--steps 8] [--repeats 3]
 
 First ``distml bench``'s measurement runs in a world of 4 workers (matmul FLOP/s per worker
 while all 4 compute, collectives, latency) with the benchmark's GPT, batch and micro-batches
 given, so that it also profiles the pieces of that model's step (:mod:`distml.plan.profile`);
-that is the cluster the cost model reads. Then, for each layout of
+each piece is the median of ``--passes`` passes over them all (``distml bench --passes``).
+That is the cluster the cost model reads. Then, for each layout of
 ``benchmarks/model_parallel.py`` (fp32, AdamW), :func:`distml.plan.cost_model.predict` gives the
 step time and the memory per device, and a world of 4 workers trains the layout through
 ``ctx.setup`` and measures them: the median step over ``--repeats`` blocks of ``--steps`` steps,
@@ -16,7 +17,11 @@ profile) would make. Goals: step time within 15%, memory within 10%.
 The whole of that is one round, and the run makes ``--rounds`` of them, every other one with
 the layouts in reverse order: this machine's speed drifts by tens of percent over minutes, and
 one calibration followed by one measurement catches whatever drift fell between them. The
-table gives each layout's medians over the rounds and every round's error.
+table gives each layout's medians over the rounds and every round's error. It also gives the
+drift itself: a reference (one plain block's forward + backward, every worker at once) is timed
+before and after the calibration and before and after each layout's blocks, and the error is
+given again with the prediction scaled by the ratio of the two, as if the calibration had run
+at the speed the machine had during the layout's measurement.
 """
 
 from __future__ import annotations
@@ -44,6 +49,19 @@ import distml  # noqa: E402
 from distml.plan.auto import gpt_params, layout_of, model_spec, training_for  # noqa: E402
 from distml.plan.bench import cluster_from_dict, measure  # noqa: E402
 from distml.plan.cost_model import predict  # noqa: E402
+from distml.plan.profile import reference_block_s  # noqa: E402
+
+REFERENCE_MICRO_BATCH = 2  # a block shape the profile times for every layout here
+
+
+def calibrate(ctx: distml.Context, passes: int) -> dict:
+    """``distml bench``'s measurement, between two timings of the reference block."""
+    before = reference_block_s(MODEL, REFERENCE_MICRO_BATCH)
+    cluster = measure(
+        gpt=MODEL, global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES, passes=passes
+    )
+    after = reference_block_s(MODEL, REFERENCE_MICRO_BATCH)
+    return {"cluster": cluster, "reference_s": [before, after]}
 
 
 def worker(ctx: distml.Context, steps: int, repeats: int) -> dict:
@@ -51,29 +69,32 @@ def worker(ctx: distml.Context, steps: int, repeats: int) -> dict:
     g = torch.Generator().manual_seed(ctx.data_rank)
     batch_size = GLOBAL_BATCH // ctx.data_world
     batch = (torch.randint(0, MODEL.vocab_size, (batch_size, MODEL.seq_len), generator=g),) * 2
+    before = reference_block_s(MODEL, REFERENCE_MICRO_BATCH)
     step = build_distml(ctx)
     timed(step, batch, 2)  # warm-up: shape inference, lazy FSDP initialisation
     seconds = [timed(step, batch, steps) / steps for _ in range(repeats)]
+    after = reference_block_s(MODEL, REFERENCE_MICRO_BATCH)
     summary = ctx.finish()
-    return {"step_s": seconds, "memory": summary.get("memory_per_rank", [])}
+    return {
+        "step_s": seconds,
+        "memory": summary.get("memory_per_rank", []),
+        "reference_s": [before, after],
+    }
 
 
 def error(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured
 
 
-def measure_round(runs: Path, names: list[str], steps: int, repeats: int) -> dict:
+def measure_round(runs: Path, names: list[str], steps: int, repeats: int, passes: int) -> dict:
     """One ``distml bench`` calibration, then every layout in ``names`` predicted from it and
     measured right after."""
     model = model_spec(MODEL, gpt_params(MODEL))
     runs.mkdir()
-    bench = distml.launch(
-        lambda ctx: measure(gpt=MODEL, global_batch=GLOBAL_BATCH, microbatches=MICROBATCHES),
-        nproc=4,
-        runs_dir=runs,
-        run_name="bench",
-        telemetry={"progress": False},
+    calibrated = distml.launch(
+        calibrate, passes, nproc=4, runs_dir=runs, run_name="bench", telemetry={"progress": False}
     )
+    bench, reference = calibrated["cluster"], median(calibrated["reference_s"])
     cluster = cluster_from_dict(bench)
     formulas = replace(cluster, calibration=None)
     print(f"cluster: {bench['device']}", flush=True)
@@ -103,6 +124,8 @@ def measure_round(runs: Path, names: list[str], steps: int, repeats: int) -> dic
                 "activation_bytes": pred.memory_bytes["activations"],
             },
             "measured": {"step_s": median(out["step_s"]), "steps_s": out["step_s"]},
+            # how much slower the machine ran the reference block now than when calibrated
+            "drift": median(out["reference_s"]) / reference,
         }
         if state is not None:
             layouts[name]["measured"].update(state_bytes=state, activation_bytes=acts)
@@ -111,29 +134,39 @@ def measure_round(runs: Path, names: list[str], steps: int, repeats: int) -> dic
             f"{median(out['step_s']) * 1e3:.1f} ms",
             flush=True,
         )
-    return {"cluster": bench, "layouts": layouts}
+    return {"cluster": bench, "reference_s": calibrated["reference_s"], "layouts": layouts}
 
 
-def summary_row(name: str, rounds: list[dict]) -> list[str]:
-    """A layout's medians over the rounds, each round's step-time error, and its memory (the
-    same in every round: the first round's)."""
+def step_row(name: str, rounds: list[dict]) -> list[str]:
+    """A layout's step time: medians over the rounds, and each round's error, as measured and
+    with the prediction scaled by the machine's drift since the calibration."""
     of_layout = [r["layouts"][name] for r in rounds]
     predicted = [r["predicted"]["step_s"] for r in of_layout]
     measured = [r["measured"]["step_s"] for r in of_layout]
+    drift = [r["drift"] for r in of_layout]
     errors = [error(p, m) for p, m in zip(predicted, measured, strict=True)]
+    corrected = [error(p * d, m) for p, d, m in zip(predicted, drift, measured, strict=True)]
     formulas = [
         error(r["predicted"]["step_s_formulas"], m)
         for r, m in zip(of_layout, measured, strict=True)
     ]
-    row = [
+    return [
         name,
         f"{median(predicted) * 1e3:.1f}",
         f"{median(measured) * 1e3:.1f}",
         f"{median(errors):+.0%}",
         ", ".join(f"{e:+.0%}" for e in errors),
+        ", ".join(f"{d:.2f}" for d in drift),
+        f"{median(corrected):+.0%}",
+        ", ".join(f"{e:+.0%}" for e in corrected),
         f"{median(formulas):+.0%}",
     ]
-    p, m = of_layout[0]["predicted"], of_layout[0]["measured"]
+
+
+def memory_row(name: str, rounds: list[dict]) -> list[str]:
+    """A layout's memory, the same in every round: the first round's."""
+    p, m = rounds[0]["layouts"][name]["predicted"], rounds[0]["layouts"][name]["measured"]
+    row = [name]
     for key in ("state_bytes", "activation_bytes"):
         if key in m:
             mib = [f"{p[key] / 2**20:.2f}", f"{m[key] / 2**20:.2f}"]
@@ -148,6 +181,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per block")
     parser.add_argument("--repeats", type=int, default=3, help="timed blocks per layout")
     parser.add_argument("--rounds", type=int, default=3, help="calibrations, each then measured")
+    parser.add_argument("--passes", type=int, default=3, help="of the calibration's profile")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
     names = args.layouts.split(",")
@@ -155,26 +189,29 @@ def main() -> None:
     with scratch_dir("distml-bench-plan-") as runs:
         for r in range(args.rounds):  # every other round in reverse, so drift spreads evenly
             order = names if r % 2 == 0 else names[::-1]
-            rounds.append(measure_round(runs / f"round-{r}", order, args.steps, args.repeats))
+            rounds.append(
+                measure_round(runs / f"round-{r}", order, args.steps, args.repeats, args.passes)
+            )
+    title = f"GPT {MODEL.layers}x{MODEL.hidden}, global batch {GLOBAL_BATCH}, 4 processes"
     print_table(
-        "Planner vs measured, GPT "
-        f"{MODEL.layers}x{MODEL.hidden}, global batch {GLOBAL_BATCH}, 4 processes, "
-        f"medians of {args.rounds} rounds",
+        f"Step time, planner vs measured, {title}, medians of {args.rounds} rounds",
         [
             "layout",
-            "step ms (pred)",
-            "step ms (meas)",
+            "predicted ms",
+            "measured ms",
             "error",
-            "error by round",
+            "by round",
+            "drift by round",
+            "error, drift-corrected",
+            "by round",
             "error, formulas only",
-            "state MiB (pred)",
-            "state MiB (meas)",
-            "error",
-            "act MiB (pred)",
-            "act MiB (meas)",
-            "error",
         ],
-        [summary_row(name, rounds) for name in names],
+        [step_row(name, rounds) for name in names],
+    )
+    print_table(
+        f"Memory per device, planner vs measured, {title}",
+        ["layout", "state MiB (pred)", "(meas)", "error", "act MiB (pred)", "(meas)", "error"],
+        [memory_row(name, rounds) for name in names],
     )
     out = {"machine": machine_info(), "args": vars(args), "rounds": rounds}
     print(f"results: {write_json('plan_accuracy', out)}")

@@ -38,7 +38,7 @@ def test_bench_writes_a_cluster_file_the_planner_reads(tmp_path):
     (tmp_path / "run.toml").write_text(tomli_w.dumps(run))
     proc = distml_cli(
         "bench", "--out", "cluster.toml", "--config", "run.toml", "--global-batch", "4",
-        cwd=tmp_path, timeout=300,
+        "--passes", "2", cwd=tmp_path, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = tomllib.loads((tmp_path / "cluster.toml").read_text())

@@ -132,3 +132,18 @@ def test_collective_fit_recovers_latency_and_bandwidth():
     assert alpha == pytest.approx(1e-4) and beta == pytest.approx(1e9)
     alpha, beta = _fit(sizes, [n / 2e9 * 1.02 for n in sizes])  # no latency: alpha is not < 0
     assert alpha == pytest.approx(0.0, abs=1e-12) and beta == pytest.approx(2e9 / 1.02)
+
+
+def test_passes_of_a_profile_merge_into_the_median_of_each_number():
+    from distml.plan.profile import median_of
+
+    passes = [
+        {"share": 2.0, "blocks": {"2x1": {"fwd_s": 0.010}}, "fit": {"2": [1e-3, 1e9]}},
+        {"share": 9.0, "blocks": {"2x1": {"fwd_s": 0.030}}, "fit": {"2": [5e-3, 2e9]}},
+        {"share": 2.2, "blocks": {"2x1": {"fwd_s": 0.011}}, "fit": {"2": [2e-3, 3e9]}},
+    ]
+    assert median_of(passes) == {
+        "share": 2.2,
+        "blocks": {"2x1": {"fwd_s": 0.011}},
+        "fit": {"2": [2e-3, 2e9]},
+    }

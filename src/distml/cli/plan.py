@@ -139,6 +139,14 @@ def bench(
     global_batch: Annotated[
         int, typer.Option(min=1, help="The global batch of the calibrated runs.")
     ] = 16,
+    passes: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="With --config: profile every piece this many times and keep the medians "
+            "(3 on a machine shared with other work).",
+        ),
+    ] = 1,
 ) -> None:
     """Measure this machine (matmul FLOP/s, collectives, point-to-point bandwidth, latency,
     memory) and write a cluster file that `distml plan --cluster` and `distml run --strategy
@@ -155,7 +163,9 @@ def bench(
             fail_usage(str(exc))
         gpt, microbatches = run.model or GPTConfig(), run.parallel.microbatches
     result = launch(
-        lambda ctx: measure(gpt=gpt, global_batch=global_batch, microbatches=microbatches),
+        lambda ctx: measure(
+            gpt=gpt, global_batch=global_batch, microbatches=microbatches, passes=passes
+        ),
         nproc=nproc,
         runs_dir=Path("runs"),
         run_name=f"bench-{nproc}",

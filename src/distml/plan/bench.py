@@ -114,10 +114,12 @@ def measure(
     gpt: GPTConfig | None = None,
     global_batch: int = 16,
     microbatches: int = 8,
+    passes: int = 1,
 ) -> dict[str, Any]:
     """Run inside every worker of a launched world; rank 0's result describes the machine.
     With ``gpt``, also the pieces of its step under every layout of this world with that batch
-    (:mod:`distml.plan.profile`), as the cluster file's ``[calibration]``."""
+    (:mod:`distml.plan.profile`, each piece the median of ``passes``), as the cluster file's
+    ``[calibration]``."""
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
@@ -135,7 +137,7 @@ def measure(
         world = dist.get_world_size()
         shapes = profile_shapes(gpt, world, global_batch, microbatches)
         sharded = sharded_profile_shapes(gpt, world, global_batch, microbatches)
-        calibration = {"calibration": profile_gpt(gpt, shapes, sharded, device)}
+        calibration = {"calibration": profile_gpt(gpt, shapes, sharded, device, passes=passes)}
         net = network_of(calibration["calibration"]["collectives"], world)
     else:
         net = network(device)

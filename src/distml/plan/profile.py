@@ -249,6 +249,24 @@ def _share(cfg: GPTConfig, micro_batch: int, repeats: int) -> float:
     return max(1.0, together / alone.item())
 
 
+def reference_block_s(cfg: GPTConfig, micro_batch: int, repeats: int = 9) -> float:
+    """One plain block's forward + backward at ``micro_batch``, every worker of the world at
+    once: the profile's ``blocks[f"{micro_batch}x1"]["fwdbwd_s"]`` timed again, to tell how fast
+    the machine runs now against when it was profiled."""
+    return _block_times(cfg, micro_batch, 1, repeats, {})["fwdbwd_s"]
+
+
+def median_of(passes: list[Any]) -> Any:
+    """The passes' common structure (dicts and lists of numbers), each number the median of
+    its values over the passes."""
+    first = passes[0]
+    if isinstance(first, dict):
+        return {k: median_of([p[k] for p in passes]) for k in first}
+    if isinstance(first, list):
+        return [median_of([p[i] for p in passes]) for i in range(len(first))]
+    return float(np.median(passes))
+
+
 def sharded_key(micro_batch: int, tp: int, dp: int, zero: int, blocks: int) -> str:
     return f"{micro_batch}x{tp}x{dp}x{zero}x{blocks}"
 
@@ -259,35 +277,48 @@ def profile_gpt(
     sharded: Iterable[tuple[int, int, int, int, int]] = (),
     device: torch.device | None = None,
     repeats: int = 9,
+    passes: int = 1,
 ) -> dict[str, Any]:
     """Run in every worker of the world, fp32; the same result on every rank. ``shapes``: the
     (micro-batch, tensor degree) pairs to profile blocks at; ``sharded``: the (micro-batch,
-    tensor degree, data degree, ZeRO stage, blocks a stage) of FSDP stages to profile."""
+    tensor degree, data degree, ZeRO stage, blocks a stage) of FSDP stages to profile.
+
+    With ``passes`` > 1 every piece is measured once a pass, the passes one after another, and
+    each number is the median over them: a piece timed during a burst of other work on a
+    shared machine (a piece takes well under a second) counts once, not for good."""
     from torch.distributed.device_mesh import init_device_mesh
 
     device = device or torch.device("cpu")
     world = dist.get_world_size()
-    shapes = sorted(set(shapes))
+    shapes, sharded = sorted(set(shapes)), sorted(set(sharded))
+    micro_batches = sorted({b for b, _ in shapes})
     groups = {}
     for t in sorted({t for _, t in shapes if t > 1}):
         mesh = init_device_mesh(device.type, (world // t, t), mesh_dim_names=("rest", "tp"))
         groups[t] = mesh["tp"]
     meshes = {}
-    for _, t, d, _, _ in sorted(set(sharded)):
+    for _, t, d, _, _ in sharded:
         meshes[t, d] = init_device_mesh(
             device.type, (world // (d * t), d, 1, t), mesh_dim_names=("rest", "dp", "fsdp", "tp")
         )
-    with device:
+
+    def one_pass() -> dict[str, Any]:
         blocks = {shape_key(b, t): _block_times(cfg, b, t, repeats, groups) for b, t in shapes}
         stages = {
             sharded_key(b, t, d, z, k): _sharded_stage(cfg, b, t, z, k, repeats, meshes[t, d])
-            for b, t, d, z, k in sorted(set(sharded))
+            for b, t, d, z, k in sharded
         }
-        micro_batches = sorted({b for b, _ in shapes})
-        edges = {str(b): _edge_times(cfg, b, repeats) for b in micro_batches}
-        share = _share(cfg, micro_batches[0], repeats)
-        optimizer = _optimizer_s_per_param(repeats)
-        collectives = collective_costs(repeats)
+        return {
+            "blocks": blocks,
+            "sharded_stages": stages,
+            "edges": {str(b): _edge_times(cfg, b, repeats) for b in micro_batches},
+            "share": _share(cfg, micro_batches[0], repeats),
+            "optimizer_s_per_param": _optimizer_s_per_param(repeats),
+            "collectives": collective_costs(repeats),
+        }
+
+    with device:
+        measured = median_of([one_pass() for _ in range(passes)])
     return {
         "model": {
             "layers": cfg.layers,
@@ -298,10 +329,5 @@ def profile_gpt(
         },
         "precision": "fp32",
         "world": world,
-        "share": share,
-        "blocks": blocks,
-        "sharded_stages": stages,
-        "edges": edges,
-        "optimizer_s_per_param": optimizer,
-        "collectives": collectives,
+        **measured,
     }
