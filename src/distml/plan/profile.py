@@ -234,11 +234,18 @@ def _optimizer_s_per_param(repeats: int, n: int = 2**20) -> float:
     return _median_s(opt.step, repeats) / n
 
 
+def reference_block_s(cfg: GPTConfig, micro_batch: int, repeats: int = 9) -> float:
+    """One plain block's forward + backward at ``micro_batch``, every worker of the world at
+    once: the profile's ``blocks[f"{micro_batch}x1"]["fwdbwd_s"]`` timed again, to tell how fast
+    the machine runs now against when it was profiled."""
+    return _block_times(cfg, micro_batch, 1, repeats, {})["fwdbwd_s"]
+
+
 def _share(cfg: GPTConfig, micro_batch: int, repeats: int) -> float:
     """A block's forward + backward with every worker computing, over rank 0's alone."""
     # Timed here, just before the block alone, not taken from the profile: the machine's speed
     # drifts, and a ratio of two times apart would carry the drift.
-    together = _block_times(cfg, micro_batch, 1, repeats, {})["fwdbwd_s"]
+    together = reference_block_s(cfg, micro_batch, repeats)
     block = _block(cfg)
     x, grad = _hidden(cfg, micro_batch)
     alone = torch.zeros(1, dtype=torch.float64)
@@ -247,13 +254,6 @@ def _share(cfg: GPTConfig, micro_batch: int, repeats: int) -> float:
         alone[0] = median_time(lambda: block(x).backward(grad), repeats)
     dist.broadcast(alone, 0)
     return max(1.0, together / alone.item())
-
-
-def reference_block_s(cfg: GPTConfig, micro_batch: int, repeats: int = 9) -> float:
-    """One plain block's forward + backward at ``micro_batch``, every worker of the world at
-    once: the profile's ``blocks[f"{micro_batch}x1"]["fwdbwd_s"]`` timed again, to tell how fast
-    the machine runs now against when it was profiled."""
-    return _block_times(cfg, micro_batch, 1, repeats, {})["fwdbwd_s"]
 
 
 def median_of(passes: list[Any]) -> Any:
