@@ -78,14 +78,16 @@ def _fit(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
     return float(alpha), 1.0 / max(float(slope), 1e-15)
 
 
-def _subgroup(size: int) -> dist.ProcessGroup:
-    """This rank's group of ``size`` consecutive ranks (every rank creates every group)."""
+def subgroups() -> dict[int, dist.ProcessGroup]:
+    """``{size: this rank's group of size consecutive ranks}`` for every size > 1 that divides
+    the world (every rank creates every group)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    mine = None
-    for start in range(0, world, size):
-        group = dist.new_group(list(range(start, start + size)))
-        if start <= rank < start + size:
-            mine = group
+    mine = {}
+    for size in (d for d in range(2, world + 1) if world % d == 0):
+        for start in range(0, world, size):
+            group = dist.new_group(list(range(start, start + size)))
+            if start <= rank < start + size:
+                mine[size] = group
     return mine
 
 
@@ -120,15 +122,16 @@ def _send_pair(nbytes: int) -> Callable[[], None]:
     return pair
 
 
-def collective_costs(repeats: int = 5) -> dict[str, dict[str, list[float]]]:
+def collective_costs(
+    groups: dict[int, dist.ProcessGroup], repeats: int = 5
+) -> dict[str, dict[str, list[float]]]:
     """``{collective: {group size: [alpha_s, beta_bytes_per_s]}}`` with n the bytes of each
-    rank's input (all-gather: its shard; reduce-scatter: the whole tensor), every group of the
-    world running at once; ``"p2p"`` for one send between a pair of ranks."""
-    world = dist.get_world_size()
+    rank's input (all-gather: its shard; reduce-scatter: the whole tensor), over ``groups``
+    (:func:`subgroups`), every group of the world running at once; ``"p2p"`` for one send
+    between a pair of ranks."""
     sizes = [float(n) for n in SIZES]
     out: dict[str, dict[str, list[float]]] = {c: {} for c in COLLECTIVES}
-    for size in (d for d in range(2, world + 1) if world % d == 0):
-        group = _subgroup(size)
+    for size, group in groups.items():
         for name in COLLECTIVES:
             seconds = [_median_s(_collective(name, n, group), repeats) for n in SIZES]
             out[name][str(size)] = list(_fit(sizes, seconds))
@@ -301,6 +304,7 @@ def profile_gpt(
         meshes[t, d] = init_device_mesh(
             device.type, (world // (d * t), d, 1, t), mesh_dim_names=("rest", "dp", "fsdp", "tp")
         )
+    collective_groups = subgroups()  # made once: each pass times the same groups
 
     def one_pass() -> dict[str, Any]:
         blocks = {shape_key(b, t): _block_times(cfg, b, t, repeats, groups) for b, t in shapes}
@@ -314,7 +318,7 @@ def profile_gpt(
             "edges": {str(b): _edge_times(cfg, b, repeats) for b in micro_batches},
             "share": _share(cfg, micro_batches[0], repeats),
             "optimizer_s_per_param": _optimizer_s_per_param(repeats),
-            "collectives": collective_costs(repeats),
+            "collectives": collective_costs(collective_groups, repeats),
         }
 
     with device:
