@@ -8,8 +8,10 @@ request bodies, ``/healthz`` through the real work path, ``/metrics`` for Promet
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import inspect
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -19,8 +21,85 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.responses import Response
 
 DEFAULT_MAX_BODY = 256 * 2**20
+SAFETENSORS = "application/octet-stream"
 
 Health = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
+log = logging.getLogger("distml.net")
+
+
+def octet_stream_body(limit: int, description: str = "a safetensors payload") -> dict[str, Any]:
+    """The ``openapi_extra`` of a route that reads its body with :func:`read_body`: the body is
+    declared in the OpenAPI document (binary, with its size limit), so a schema fuzzer reaches it.
+
+    >>> @app.post("/v1/push", openapi_extra=octet_stream_body(2**20))  # doctest: +SKIP
+    """
+    return {
+        "requestBody": {
+            "required": True,
+            "description": f"{description}, at most {limit} bytes",
+            "content": {
+                SAFETENSORS: {"schema": {"type": "string", "format": "binary", "maxLength": limit}}
+            },
+        }
+    }
+
+
+class BackgroundLoops:
+    """The background loops of one service (a federation's rounds, a router's health checks...).
+
+    A loop's step that raises is logged with its traceback and the loop goes on: one bad input
+    never stops the service for everyone else. A loop that ends all the same (its step raised
+    :class:`LoopStopped`, or a bug outside the step) makes ``/healthz`` answer 503, so the service
+    is never left half-alive behind a healthy answer.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.errors: dict[str, int] = {}
+
+    def start(
+        self, name: str, step: Callable[[], Awaitable[Any]], interval_s: float = 0.0
+    ) -> asyncio.Task[None]:
+        """Run ``await step()`` forever, ``interval_s`` apart, in this event loop."""
+
+        async def loop() -> None:
+            while True:
+                try:
+                    await step()
+                except asyncio.CancelledError:
+                    raise
+                except LoopStopped:
+                    raise
+                except Exception:
+                    self.errors[name] = self.errors.get(name, 0) + 1
+                    log.exception("background loop %r: a step failed; the loop goes on", name)
+                await asyncio.sleep(interval_s)
+
+        task = asyncio.get_running_loop().create_task(loop(), name=name)
+        self._tasks[name] = task
+        return task
+
+    def check(self) -> None:
+        """Raise ``RuntimeError`` naming every loop that has stopped (health checks call this)."""
+        dead = {n: t for n, t in self._tasks.items() if t.done() and not t.cancelled()}
+        if dead:
+            causes = ", ".join(f"{n}: {t.exception()!r}" for n, t in dead.items())
+            raise RuntimeError(f"background loop stopped ({causes})")
+
+    async def stop(self) -> None:
+        """Cancel every loop and wait for each to end."""
+        for task in self._tasks.values():
+            task.cancel()
+        for task in self._tasks.values():
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass  # a stopped loop's cause was already reported by check()
+        self._tasks.clear()
+
+
+class LoopStopped(Exception):
+    """Raised by a loop's step when the loop cannot go on; the service then reports unhealthy."""
 
 
 def _digest(token: str) -> bytes:
@@ -34,7 +113,8 @@ def create_app(
     registry: CollectorRegistry | None = None,
 ) -> FastAPI:
     """A FastAPI app whose every route, ``/healthz`` and ``/metrics`` included, needs
-    ``Authorization: Bearer <token>``. ``health()`` does real work: a failure answers 503.
+    ``Authorization: Bearer <token>``. ``health()`` does real work: a failure answers 503, and so
+    does a background loop of ``app.state.loops`` (:class:`BackgroundLoops`) that has stopped.
 
     ``token`` is one shared token, or a mapping ``identity -> token`` (one token per client):
     a route then finds who called it in ``request.state.identity`` (``None`` for a shared token).
@@ -68,6 +148,7 @@ def create_app(
         redoc_url=None,
     )
     app.state.registry = registry or CollectorRegistry()
+    app.state.loops = BackgroundLoops()
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> dict[str, Any]:
@@ -76,6 +157,7 @@ def create_app(
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         try:
+            app.state.loops.check()
             result = health()
             if inspect.isawaitable(result):
                 result = await result
