@@ -128,6 +128,26 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def save_dcp_metadata(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path
+) -> bytes:
+    """The ``.metadata`` DCP writes into ``folder`` for ``model``, ``optimizer`` and a step
+    counter, as a run's checkpoint holds them."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {
+        "model": model.state_dict(),
+        "optim": optimizer.state_dict(),
+        "extra": {"step": torch.tensor(1)},
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save(state, checkpoint_id=folder, no_dist=True)
+    return (folder / ".metadata").read_bytes()
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())

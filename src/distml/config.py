@@ -32,7 +32,8 @@ class ConfigError(ValueError):
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # TOML has inf and nan; no setting means either (a timeout of inf overflows the clock)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class GPTConfig(_Model):
@@ -393,12 +394,27 @@ def save_config(config: RunConfig, path: Path) -> None:
     path.write_text(tomli_w.dumps(data))
 
 
+MAX_CONFIG_BYTES = 2**20  # a resolved config.toml is about 1 KB
+
+
 def load_config(path: Path) -> RunConfig:
+    """The run config of the TOML file at ``path``; any file that is not one (too large, not
+    UTF-8, not TOML, nested too deeply, invalid settings) is a :class:`ConfigError`."""
+    return build_config(**read_toml(path, "config"))
+
+
+def read_toml(path: Path, what: str = "TOML file") -> dict[str, Any]:
+    """The TOML document at ``path``, of at most ``MAX_CONFIG_BYTES``, or :class:`ConfigError`."""
     try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"cannot read config {path}: {exc}") from None
-    return build_config(**data)
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{what} {path} is over {MAX_CONFIG_BYTES >> 10} KiB")
+        return tomllib.loads(data.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"cannot read {what} {path}: nested too deeply") from None
 
 
 def config_from_env() -> RunConfig | None:

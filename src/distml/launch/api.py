@@ -27,7 +27,8 @@ def _trampoline(payload: bytes) -> Any:
 
 def _ps_worker_main(payload_path: str) -> None:
     """A parameter-server worker started by ``launch``: run the function, keep its result
-    (tensors, numbers, lists and dicts: what ``torch.load(weights_only=True)`` reads back)."""
+    (tensors, numbers, lists and dicts: what ``torch.load(weights_only=True)`` reads back)
+    beside the payload, in the launcher's private folder."""
     import json
     import os
     import sys
@@ -45,27 +46,38 @@ def _ps_worker_main(payload_path: str) -> None:
     with Context.create() as ctx:
         result = fn(ctx, *args, **kwargs)
         attempt = os.environ.get("DISTML_ATTEMPT", "0")
-        out = ctx.run_dir / "workers"
-        out.mkdir(parents=True, exist_ok=True)
-        torch.save(result, out / f"result-rank-{ctx.rank}-{attempt}.pt")
+        torch.save(result, path.parent / f"result-rank-{ctx.rank}-{attempt}.pt")
 
 
 def _launch_ps(config: RunConfig, payload: bytes) -> Any:
+    """Hand this process's own function to the workers of a parameter-server job, which start
+    as commands (not forked), through files of a folder private to this user.
+
+    The files are a pickle that each worker unpickles, so whoever could write them could run
+    code as this user: they are never put where others may write (the run folder may be
+    shared). ``tempfile.mkdtemp`` creates the folder with mode 0700 under a fresh name, so no
+    other user can create, replace or read a file in it; it is removed when the job ends."""
     import json
+    import shutil
     import sys
+    import tempfile
+    from pathlib import Path
 
     import torch
 
     from distml.ps.job import run_ps_job
 
-    path = config.run_dir / "launch-payload.pkl"  # this process's own function, for its children
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(payload)
-    path.with_suffix(".path.json").write_text(json.dumps(sys.path))
-    code = f"from distml.launch.api import _ps_worker_main; _ps_worker_main({str(path)!r})"
-    run_ps_job(config, [sys.executable, "-u", "-c", code])
-    results = sorted((config.run_dir / "workers").glob("result-rank-0-*.pt"))
-    return torch.load(results[-1], weights_only=True) if results else None
+    private = Path(tempfile.mkdtemp(prefix="distml-launch-"))
+    try:
+        path = private / "payload.pkl"
+        path.write_bytes(payload)
+        path.with_suffix(".path.json").write_text(json.dumps(sys.path))
+        code = f"from distml.launch.api import _ps_worker_main; _ps_worker_main({str(path)!r})"
+        run_ps_job(config, [sys.executable, "-u", "-c", code])
+        results = sorted(private.glob("result-rank-0-*.pt"))
+        return torch.load(results[-1], weights_only=True) if results else None
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def launch(

@@ -20,7 +20,12 @@ from distml.config import ConfigError, GPTConfig
 from distml.launch.api import launch
 from distml.models.gpt import GPT, generate
 from distml.runtime.context import Context
-from distml.train.checkpoint import load_weights, model_settings_near, resolve_weights
+from distml.train.checkpoint import (
+    check_weights,
+    load_weights,
+    model_settings_near,
+    resolve_weights,
+)
 
 
 def resolve_checkpoint(path: Path | str) -> tuple[Path, GPTConfig]:
@@ -114,6 +119,8 @@ def generate_tokens(
     if nproc == 1 and not mesh:
         model = load_gpt(weights, cfg).eval()
         return generate_batches(model, prompt, max_new_tokens, cfg.seq_len, batch_size)
+    with torch.device("meta"):  # shapes only: refuse unfit weights here, once, not in every rank
+        check_weights(GPT(cfg), weights)
     settings.setdefault("telemetry", {"progress": False})
     return launch(
         _generate_worker,

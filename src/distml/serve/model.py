@@ -8,8 +8,6 @@ torch.Size([3, 10])
 
 from __future__ import annotations
 
-import json
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +16,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from distml.config import ConfigError
+from distml.config import ConfigError, read_toml
 from distml.models.registry import ModelSpec, TensorSpec, model_spec
+from distml.net.untrusted import bounded_json
+
+MAX_SUMMARY_BYTES = 2**20  # a run's summary.json is a few KB
 
 
 @dataclass
@@ -56,7 +57,7 @@ def resolve_weights(checkpoint: Path) -> Path:
         return checkpoint
     summary = checkpoint / "summary.json"
     if summary.is_file():
-        export = json.loads(summary.read_text()).get("export")
+        export = _export_of(summary)
         if export and Path(export).is_file():
             return Path(export)
     weights = checkpoint / "model.safetensors"
@@ -65,11 +66,28 @@ def resolve_weights(checkpoint: Path) -> Path:
     return weights
 
 
+def _export_of(summary: Path) -> str | None:
+    """The ``export`` a run's ``summary.json`` names; a folder handed over by someone else may
+    hold any file there, so it is read bounded and a bad one is a :class:`ConfigError`."""
+    try:
+        with open(summary, "rb") as f:
+            data = f.read(MAX_SUMMARY_BYTES + 1)
+        record = bounded_json(data, max_bytes=MAX_SUMMARY_BYTES, max_depth=64)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {summary}: {exc}") from None
+    export = record.get("export") if isinstance(record, dict) else None
+    if export is not None and not isinstance(export, str):
+        raise ConfigError(f"{summary}: export is a {type(export).__name__}, not a path")
+    return export
+
+
 def resolve_spec(weights: Path, model: str | None) -> ModelSpec:
     """``--model NAME`` wins; otherwise the ``[model]`` (a GPT) of the run's ``config.toml``.
     A digits run records no architecture (its script builds the model), hence the flag."""
     config = weights.parent / "config.toml"
-    fields = tomllib.loads(config.read_text()).get("model") if config.is_file() else None
+    fields = read_toml(config, "config").get("model") if config.is_file() else None
+    if fields is not None and not isinstance(fields, dict):
+        raise ConfigError(f"{config}: [model] is a {type(fields).__name__}, not a table")
     name = model or ("gpt" if fields is not None else None)
     if name is None:
         raise ConfigError(

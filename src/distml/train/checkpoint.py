@@ -16,9 +16,8 @@ exported safetensors file.
 from __future__ import annotations
 
 import os
-import pickle
+import re
 import shutil
-import tomllib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -29,17 +28,29 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 
-from distml.config import ConfigError
+from distml.config import ConfigError, read_toml
 
 # DCP (and the DTensor package it brings) is imported by the functions that touch a checkpoint:
 # half a second of every worker's start-up otherwise, for runs that never save one.
 
 
+_STEP_NAME = re.compile(r"step_[0-9]{1,20}")
+
+
 def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint the ``latest`` file of ``root`` names: a ``step_N`` folder of ``root``
+    itself, whatever the file says (a folder handed over by someone else may name any path)."""
     marker = Path(root) / "latest"
-    if not marker.exists():
+    if not marker.is_file():
         return None
-    path = Path(root) / marker.read_text().strip()
+    try:
+        with open(marker, "rb") as f:
+            name = f.read(64).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {marker}: {exc}") from None
+    if not _STEP_NAME.fullmatch(name):
+        raise ConfigError(f"{marker} names {name!r}, not a step_N checkpoint of {root}")
+    path = Path(root) / name
     return path if path.is_dir() else None
 
 
@@ -126,10 +137,10 @@ def model_settings_near(source: Path | str) -> dict[str, Any]:
     for candidate in [folder, *folder.parents][:3]:
         config = candidate / "config.toml"
         if config.is_file():
-            try:
-                return tomllib.loads(config.read_text()).get("model") or {}
-            except (OSError, tomllib.TOMLDecodeError) as exc:
-                raise ConfigError(f"cannot read {config}: {exc}") from None
+            model = read_toml(config, "config").get("model") or {}
+            if not isinstance(model, dict):
+                raise ConfigError(f"{config}: [model] is a {type(model).__name__}, not a table")
+            return model
     return {}
 
 
@@ -143,10 +154,7 @@ def _stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             raise ConfigError(f"{path} is not a readable safetensors file: {exc}") from None
     from distml.train.safe_dcp import SafeFileSystemReader
 
-    try:
-        items = SafeFileSystemReader(path).read_metadata().state_dict_metadata
-    except (OSError, pickle.UnpicklingError, EOFError) as exc:
-        raise ConfigError(f"{path} is not a readable checkpoint: {exc}") from None
+    items = SafeFileSystemReader(path).read_metadata().state_dict_metadata  # CheckpointError
     return {
         k.removeprefix("model."): tuple(v.size)
         for k, v in items.items()

@@ -33,18 +33,34 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from distml.config import ConfigError
+from distml.net.untrusted import bounded_json
 
 if TYPE_CHECKING:
     from peft import PeftModel
 
 ADAPTER = "default"  # peft's name for a model's one adapter
 # The LoraConfig fields distml sets; the JSON beside an adapter holds exactly these.
+ADAPTER_CONFIG_BYTES = 4 * 2**20  # the JSON beside an adapter; a real one is a few KB
 _LORA_FIELDS = ("r", "lora_alpha", "target_modules", "modules_to_save", "lora_dropout")
+
+
+class AdapterSettings(BaseModel):
+    """The JSON beside an adapter's tensors, as read back: typed and bounded, since the file may
+    come from anyone."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    r: int = Field(ge=1, le=65536)
+    lora_alpha: float = Field(gt=0, allow_inf_nan=False)
+    target_modules: list[str] = Field(min_length=1, max_length=100_000)
+    modules_to_save: list[str] = Field(max_length=100_000)
+    lora_dropout: float = Field(ge=0, lt=1)
 
 
 def match_modules(model: nn.Module, patterns: Iterable[str], what: str) -> list[str]:
@@ -200,13 +216,15 @@ def load_adapter(model: nn.Module, path: Path | str) -> PeftModel:
     """``model`` (the base, with the same head as when the adapter was trained) with the
     adapter of ``path`` (:func:`save_adapter`) on it; reads only JSON and safetensors."""
     path = Path(path)
+    config_path = adapter_config_path(path)
     try:
-        settings = json.loads(adapter_config_path(path).read_text())
+        raw = bounded_json(config_path.read_bytes(), max_bytes=ADAPTER_CONFIG_BYTES)
+        settings = AdapterSettings.model_validate(raw).model_dump()
         tensors = load_file(str(path))
-    except (OSError, json.JSONDecodeError, SafetensorError) as exc:
+    except (OSError, ValueError, SafetensorError) as exc:
+        if isinstance(exc, ValidationError):
+            exc = _first_error(exc)
         raise ConfigError(f"cannot read the adapter {path}: {exc}") from None
-    if not isinstance(settings, dict) or set(settings) != set(_LORA_FIELDS):
-        raise ConfigError(f"{adapter_config_path(path)} must hold exactly {list(_LORA_FIELDS)}")
     peft_model = add_lora(model, settings)
     inner = peft_model.base_model.model
     wanted = {k for k in inner.state_dict() if is_adapter_key(k)}
@@ -215,6 +233,13 @@ def load_adapter(model: nn.Module, path: Path | str) -> PeftModel:
         raise ConfigError(f"{path} does not fit the model: missing {missing}, unexpected {extra}")
     inner.load_state_dict(tensors, strict=False)
     return peft_model
+
+
+def _first_error(exc: ValidationError) -> str:
+    """One line for a file's reader: where the first problem is and what it is."""
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "the file"
+    return f"{where}: {first['msg']}"
 
 
 def merge_adapter(peft_model: PeftModel) -> nn.Module:
