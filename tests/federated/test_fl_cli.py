@@ -53,10 +53,9 @@ def distml(*args, **kwargs):
 def test_a_federation_of_processes_survives_a_killed_client_and_a_restarted_server(tmp_path):
     cert, key = self_signed(tmp_path)
     tokens_file = tmp_path / "tokens.json"
-    made = subprocess.run([sys.executable, "-m", "distml", "fl", "tokens", "3"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
-    tokens_file.write_text(made.stdout)
-    tokens = json.loads(made.stdout)
+    subprocess.run([sys.executable, "-m", "distml", "fl", "tokens", "3", "--out", str(tokens_file)],
+                   check=True)  # fmt: skip
+    tokens = json.loads(tokens_file.read_text())
     port = free_port()
     url = f"https://127.0.0.1:{port}"
     server_args = (

@@ -2,6 +2,7 @@
 the quantisation step), a client that drops out after sharing its keys leaves exactly the
 survivors' mean, and the server never holds a client's update."""
 
+import base64
 import json
 import threading
 
@@ -88,3 +89,52 @@ def test_a_client_dropping_after_sharing_keys_leaves_exactly_the_survivors_mean(
     assert plain.history[0]["participants"] == 3
     for name, want in plain.params.items():
         torch.testing.assert_close(secure.params[name], want, rtol=0, atol=1e-5)
+
+
+def advertise_a_low_order_key(url, server):
+    """Client d advertises the all-zero X25519 key, is refused, and says nothing more."""
+    task = None
+    while task is None:
+        response = httpx.get(url + "/v1/task", headers=auth("d"))
+        task = response.json() if response.status_code == 200 else None
+    keys = {
+        "c_pk": base64.b64encode(bytes(32)).decode(),
+        "s_pk": base64.b64encode(bytes(32)).decode(),
+    }
+    refused = httpx.post(url + "/v1/secagg/advertise", content=json.dumps(keys),
+                         headers=auth("d"), params={"round": task["round"]})  # fmt: skip
+    REFUSALS.append((refused.status_code, refused.text))
+
+
+REFUSALS = []
+
+
+def test_a_client_advertising_a_low_order_key_is_refused_and_the_honest_ones_finish():
+    secure = run_round(NAMES, secure=True, silent=("d",), timeout=4.0,
+                       on_url=advertise_a_low_order_key)  # fmt: skip
+    assert len(REFUSALS) == 1 and REFUSALS[0][0] == 422 and "low-order" in REFUSALS[0][1]
+    record = secure.history[0]
+    assert (record["status"], record["participants"], record["dropped"]) == ("completed", 3, 1)
+    plain = run_round(NAMES, secure=False, silent=("d",), timeout=2.0)
+    for name, want in plain.params.items():
+        torch.testing.assert_close(secure.params[name], want, rtol=0, atol=1e-5)
+
+
+def test_malformed_secure_aggregation_messages_are_answered_4xx():
+    config = ServerConfig(rounds=1, min_available=2, secure_aggregation=True, secagg_threshold=0.5)
+    server = FederatedServer(config, make_strategy("fedavg", fraction_fit=1.0), digits("val"))
+    with BackgroundServer(
+        create_fl_app(server, {n: TOKENS[n] for n in NAMES[:2]}), free_port()
+    ) as bg:
+        for n in NAMES[:2]:
+            httpx.post(bg.url + "/v1/register", headers=auth(n)).raise_for_status()
+        while server.round is None:
+            httpx.get(bg.url + "/v1/status", params={"wait": 1}, headers=auth("a"))
+        for stage, body in [("advertise", "[" * 3000 + "]" * 3000), ("advertise", "x" * 10**6),
+                            ("advertise", '{"c_pk": 1, "s_pk": [2]}'), ("masked_input", b"junk"),
+                            ("share_keys", "NaN")]:  # fmt: skip
+            response = httpx.post(bg.url + f"/v1/secagg/{stage}", content=body,
+                                  params={"round": 1}, headers=auth("a"))  # fmt: skip
+            assert 400 <= response.status_code < 500, (stage, response.text)
+        assert server.round.secure.server.waiting_for() == {0, 1}
+        assert httpx.get(bg.url + "/healthz", headers=auth("a")).status_code == 200

@@ -14,11 +14,11 @@ from torch.utils.data import TensorDataset
 from distml.data import digits
 from distml.federated.app import create_fl_app
 from distml.federated.client import FederatedClient, run_clients
-from distml.federated.server import FederatedServer, ServerConfig
+from distml.federated.server import MAX_ROUND_ERRORS, FederatedServer, ServerConfig
 from distml.federated.strategy import LocalConfig, make_strategy
 from distml.federated.task import build_model, get_params, set_params
 from distml.launch.elastic import free_port
-from distml.net import BackgroundServer, encode_tensors
+from distml.net import BackgroundServer, ServiceError, encode_tensors
 
 TOKENS = {name: f"{name}-token-0123456789abcdef" for name in ("a", "b", "c")}
 VAL = digits("val")
@@ -95,8 +95,8 @@ def test_fedsgd_rounds_over_http_equal_full_batch_gradient_descent_on_the_union(
 @pytest.mark.parametrize(
     "body, status, message",
     [
-        (lambda d: b"not safetensors", 400, "not a safetensors payload"),
-        (lambda d: encode_tensors(d), 400, "num_examples"),
+        (lambda d: b"not safetensors", 400, ""),
+        (lambda d: encode_tensors(d), 422, "num_examples is missing"),
         (lambda d: encode_tensors(d | {"evil": torch.zeros(1)}, {"num_examples": "1"}), 422,
          "unknown ['evil']"),
         (lambda d: encode_tensors(d | {"net.1.weight": torch.zeros(3, 3)}, {"num_examples": "1"}),
@@ -109,6 +109,23 @@ def test_fedsgd_rounds_over_http_equal_full_batch_gradient_descent_on_the_union(
                                   {"num_examples": "1"}), 422, "above the bound 1"),
         (lambda d: encode_tensors(d, {"num_examples": "0"}), 422, "num_examples must be >= 1"),
         (lambda d: b"\0" * (2**20 + 1), 413, "over the limit"),
+        (lambda d: encode_tensors(d, {"num_examples": "9" * 400}), 422, "num_examples"),
+        (lambda d: encode_tensors(d, {"num_examples": "1e400"}), 422, "num_examples"),
+        (lambda d: encode_tensors(d, {"num_examples": "10", "metrics": '{"accuracy": 0.5}'}),
+         422, "needs both"),
+        (lambda d: encode_tensors(d, {"num_examples": "10", "metrics": "[" * 2000 + "]" * 2000}),
+         422, "nested deeper"),
+        (lambda d: encode_tensors(d, {"num_examples": "10", "metrics": '{"x": {"y": 1}}'}),
+         422, "nested deeper"),
+        (lambda d: encode_tensors(d, {"num_examples": "10", "metrics": '{"x": NaN}'}),
+         422, "not a JSON number"),
+        (lambda d: encode_tensors(d, {"num_examples": "10", "metrics": f'{{"x": 1{"0" * 400}}}'}),
+         422, "too large"),
+        (lambda d: encode_tensors(d, {"num_examples": "10", "metrics": '[1, 2]'}), 422,
+         "JSON object"),
+        (lambda d: encode_tensors(d, {"num_examples": "10",
+                                      "metrics": '{"loss": 1.0, "accuracy": 7.0}'}),
+         422, "accuracy in [0, 1]"),
     ],
 )  # fmt: skip
 def test_bad_updates_are_refused_and_change_nothing(body, status, message):
@@ -203,3 +220,90 @@ def test_a_restarted_server_resumes_after_its_last_completed_round(tmp_path):
         torch.testing.assert_close(resumed.params[n], straight.params[n])
     with pytest.raises(ValueError, match="not of 'digits-cnn'"):
         make_server(tmp_path, model="digits-cnn")
+
+
+class NoLossClient(FederatedClient):
+    """A client whose metrics carry an accuracy without its loss."""
+
+    def train(self, task):
+        delta, examples, metrics = super().train(task)
+        return delta, examples, {"accuracy": metrics["accuracy"]}
+
+
+def test_a_federation_with_a_malformed_client_completes_its_rounds_with_the_honest_ones():
+    server = make_server(rounds=2, round_timeout_s=2.0, quorum=0.5)
+    data = TensorDataset(*(t[:60] for t in digits("train").tensors))
+    with serving(server) as url:
+        honest = [FederatedClient(url, TOKENS[n], data) for n in ("a", "b")]
+        bad = NoLossClient(url, TOKENS["c"], data)
+        refused = []
+
+        def attack():
+            try:
+                run_clients([bad])
+            except ServiceError as exc:
+                refused.append(exc.status)
+
+        threads = [threading.Thread(target=attack, daemon=True),
+                   threading.Thread(target=run_clients, args=(honest,), daemon=True)]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: server.finished, timeout=60)
+        health = http(url, "a").get("/healthz")
+    assert refused == [422]
+    assert [(h["status"], h["participants"]) for h in server.history] == [("completed", 2)] * 2
+    assert health.status_code == 200
+
+
+def answer_round(url, attempt):
+    wait_until(lambda: server_attempt(url) == attempt)
+    for name in TOKENS:
+        assert post(http(url, name), zeros_like_model()).status_code == 200
+
+
+def server_attempt(url):
+    status = http(url, "a").get("/v1/status").json()
+    return status["attempt"] if status["open"] else None
+
+
+def test_an_error_inside_a_round_fails_that_round_only_and_the_next_one_runs(monkeypatch):
+    server = make_server()
+    before = {n: t.clone() for n, t in server.params.items()}
+    evaluate = server._evaluate
+    calls = []
+
+    def fails_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("evaluation broke")
+        return evaluate()
+
+    monkeypatch.setattr(server, "_evaluate", fails_once)
+    with serving(server) as url:
+        register_all(url)
+        answer_round(url, 1)
+        answer_round(url, 2)  # the failed round is opened again
+        wait_until(lambda: server.finished)
+        assert http(url, "a").get("/healthz").status_code == 200
+    first, second = server.history
+    assert first["status"] == "failed" and "evaluation broke" in first["reason"]
+    assert second["status"] == "completed" and server.completed == 1
+    assert all(torch.equal(server.params[n], before[n]) for n in before)  # zero updates
+
+
+def test_a_round_loop_that_keeps_failing_turns_the_service_unhealthy(monkeypatch):
+    server = make_server()
+
+    def broken():
+        raise RuntimeError("evaluation broke")
+
+    monkeypatch.setattr(server, "_evaluate", broken)
+    with serving(server) as url:
+        register_all(url)
+        for attempt in range(1, MAX_ROUND_ERRORS + 1):
+            answer_round(url, attempt)
+        a = http(url, "a")
+        wait_until(lambda: a.get("/healthz").status_code == 503)
+        assert "rounds in a row ended in an error" in a.get("/healthz").text
+    assert [h["status"] for h in server.history] == ["failed"] * MAX_ROUND_ERRORS
+    assert server.completed == 0

@@ -159,11 +159,10 @@ R4 = {"r": "4", "alpha": "8"}
         (body_of({"net.1.bias": torch.full((32,), 10.0)}), 0, "full", 422,
          "delta norm 56.57 is above the bound 5"),
         (body_of({"net.1.bias": torch.zeros(MAX_BODY // 4)}), 0, "full", 413, "over the limit"),
-        (b"not safetensors", 0, "full", 400, "not a safetensors payload"),
+        ((5).to_bytes(8, "little") + b"{nope", 0, "full", 400, "header is not JSON"),
         (encode_tensors(ZEROS), 0, "full", 422, "needs a description"),
         (body_of(ZEROS), 3, "full", 409, "unknown base version 3: this hub holds versions 0..0"),
         (body_of(ZEROS), None, "full", 422, "?base=V"),
-        (body_of(ZEROS), 0, "diff", 422, "kind must be one of ['full', 'lora'], got 'diff'"),
         (body_of({"net.2.lora_A": torch.zeros(4, 32), "net.2.lora_B": torch.zeros(32, 4)}, **R4),
          0, "lora", 422, "'net.2' is not a Linear layer of the model; those are ['net.1', 'net.3"),
         (body_of(LORA | {"net.1.lora_A": torch.zeros(3, 64)}, **R4), 0, "lora", 422,
@@ -174,7 +173,7 @@ R4 = {"r": "4", "alpha": "8"}
          "'net.1.weight' is not a Linear layer"),
     ],
     ids=["unknown-name", "shape", "dtype", "non-finite", "norm", "oversized", "not-safetensors",
-         "no-description", "unknown-base", "no-base", "unknown-kind", "lora-not-linear",
+         "no-description", "unknown-base", "no-base", "lora-not-linear",
          "lora-rank", "lora-unpaired", "lora-no-rank", "lora-on-a-weight"],
 )  # fmt: skip
 def test_bad_contributions_are_refused_with_the_reason_and_change_nothing(
@@ -182,6 +181,7 @@ def test_bad_contributions_are_refused_with_the_reason_and_change_nothing(
 ):
     hub = Hub(tmp_path, VAL, HubConfig(max_norm=5.0))
     files = sorted(p.name for p in tmp_path.iterdir())
+    history = (tmp_path / "hub.json").read_bytes()
     with serving(hub) as url:
         alice = http(url, "alice")
         before = alice.get("/v1/model").content
@@ -192,6 +192,7 @@ def test_bad_contributions_are_refused_with_the_reason_and_change_nothing(
     assert message in response.json()["detail"]
     assert before == after and hub.latest == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == files
+    assert (tmp_path / "hub.json").read_bytes() == history
     (refusal,) = hub.refusals
     assert refusal["reason"] == response.json()["detail"] and refusal["contributor"] == "alice"
     assert refusal["status"] == status and refusal["kind"] == kind and refusal["base"] == base
@@ -291,6 +292,7 @@ def test_version_0_can_be_a_safetensors_file(tmp_path):
 def test_the_command_line_serves_contributes_and_prints_the_log(tmp_path):
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({"alice": TOKENS["alice"]}))
+    tokens.chmod(0o600)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "DISTML_TOKEN": TOKENS["alice"], "OMP_NUM_THREADS": "1"}
@@ -327,7 +329,7 @@ def test_the_command_line_serves_contributes_and_prints_the_log(tmp_path):
     printed = json.loads(versions.stdout)
     assert printed["latest"] == 1 and printed["versions"][1] == record
     assert sorted(p.name for p in (tmp_path / "hub").iterdir()) == [
-        "hub.json", "v000000.safetensors", "v000001.safetensors"
+        "hub.json", "refusals.json", "v000000.safetensors", "v000001.safetensors"
     ]  # fmt: skip
 
 
@@ -339,6 +341,12 @@ def test_the_command_line_serves_contributes_and_prints_the_log(tmp_path):
          "threshold"),
         (["serve", "--tokens", "{tokens}", "--dir", "{dir}", "--model", "gpt"], {},
          "unknown model 'gpt'"),
+        (["serve", "--tokens", "{tokens}", "--dir", "{dir}", "--max-norm", "inf"], {},
+         "max_norm"),
+        (["serve", "--tokens", "{tokens}", "--dir", "{dir}", "--max-loss-rise", "nan"], {},
+         "max_loss_rise"),
+        (["serve", "--tokens", "{tokens}", "--dir", "{dir}", "--max-body-mb", "inf"], {},
+         "--max-body-mb must be a finite number > 0"),
         (["contribute", "--hub", "http://127.0.0.1:9", "--data", "digits:0/2",
           "--description", "x"], {"DISTML_TOKEN": ""}, "DISTML_TOKEN"),
         (["contribute", "--hub", "http://127.0.0.1:9", "--data", "digits:3/2",

@@ -362,3 +362,43 @@ def test_t_minus_1_shares_fit_every_secret(t):
         for k in (t, t + 1):
             xs = rng.sample(range(1, n + 1), k)
             assert rebuild({x: forged[x] for x in xs}).to_bytes(16, "big") == other
+
+
+# Small-order points of Curve25519 (the u-coordinates whose X25519 gives the all-zero secret):
+# 0, 1, the two points of order 8, and p - 1, p, p + 1 (RFC 7748 section 6.1; Bernstein's list).
+LOW_ORDER = [
+    bytes(32),
+    (1).to_bytes(32, "little"),
+    bytes.fromhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800"),
+    bytes.fromhex("5f9c95bca3508c24b1d0b1559c83ef5b04445cc4581c8e86d8224eddd09f1157"),
+    (2**255 - 19 - 1).to_bytes(32, "little"),
+    (2**255 - 19).to_bytes(32, "little"),
+    (2**255 - 19 + 1).to_bytes(32, "little"),
+]
+
+
+@pytest.mark.parametrize("key", LOW_ORDER, ids=range(len(LOW_ORDER)))
+def test_server_refuses_a_low_order_public_key(key):
+    params = SecAggParams(threshold=2, length=4)
+    server = SecAggServer(params, [0, 1, 2])
+    good = SecAggClient(1, params).advertise()
+    server.receive_advertisement(1, good)
+    bad = {"c_pk": base64.b64encode(key).decode(), "s_pk": good["s_pk"]}
+    with pytest.raises(SecAggError, match="low-order"):
+        server.receive_advertisement(
+            0, wire(bad | {"s_pk": SecAggClient(0, params).advertise()["s_pk"]})
+        )
+    with pytest.raises(SecAggError, match="already advertised"):
+        server.receive_advertisement(
+            2, wire(SecAggClient(2, params).advertise() | {"s_pk": good["s_pk"]})
+        )
+    assert server.waiting_for() == {0, 2}  # nothing of theirs was kept
+
+
+def test_a_peers_low_order_key_is_a_protocol_error_for_the_client_not_a_crash():
+    params = SecAggParams(threshold=2, length=4)
+    clients = {i: SecAggClient(i, params) for i in range(3)}
+    keys = {str(i): c.advertise() for i, c in clients.items()}
+    keys["2"] = {"c_pk": base64.b64encode(bytes(32)).decode(), "s_pk": keys["2"]["s_pk"]}
+    with pytest.raises(SecAggError, match="low-order"):
+        clients[0].share_keys(wire(keys))

@@ -119,3 +119,12 @@ def test_krum_picks_from_the_honest_cluster_and_multi_krum_averages_it():
 def test_bad_strategy_settings_are_refused(name, kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_strategy(name, **kwargs)
+
+
+def test_aggregate_evaluate_leaves_out_results_that_are_not_evaluations():
+    results = [
+        {"loss": 1.0, "accuracy": 0.5, "num_examples": 30},
+        {"accuracy": 0.9, "num_examples": 10},
+        {"loss": 3.0, "accuracy": 0.1},
+    ]
+    assert make_strategy("fedavg").aggregate_evaluate(results) == {"loss": 1.0, "accuracy": 0.5}

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from distml.cli.messages import fail_usage
+from distml.cli.tokens import read_tokens, write_private
 
 fl_app = typer.Typer(
     help="Federated learning: the data stays on each client; only updates travel.",
@@ -31,7 +32,10 @@ Batch = Annotated[int, typer.Option(help="B: local batch size (0: all local data
 Lr = Annotated[float, typer.Option(help="Clients' learning rate.")]
 Model = Annotated[str, typer.Option(help="digits-mlp or digits-cnn.")]
 Rounds = Annotated[int, typer.Option(help="Rounds to run.")]
-Timeout = Annotated[float, typer.Option(help="Seconds a round waits for its updates.")]
+Timeout = Annotated[
+    float,
+    typer.Option(help="Seconds a round waits for the other updates once the first has arrived."),
+]
 Quorum = Annotated[float, typer.Option(help="Fraction of the selected that completes a round.")]
 MaxNorm = Annotated[float | None, typer.Option(help="Refuse updates of a larger L2 norm.")]
 DpNoise = Annotated[
@@ -221,7 +225,8 @@ def simulate(
 @fl_app.command()
 def server(
     tokens: Annotated[
-        Path, typer.Option(help="JSON file {client name: token}, readable by you only.")
+        Path,
+        typer.Option(help="JSON file {client name: token}; keep it readable by you only."),
     ],
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 7400,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
@@ -256,12 +261,7 @@ def server(
     from distml.net import serve
 
     try:
-        table = json.loads(tokens.read_text())
-        if not isinstance(table, dict) or not table:
-            raise ValueError(f"{tokens}: expected a JSON object {{client name: token}}")
-        short = [name for name, t in table.items() if not isinstance(t, str) or len(t) < 16]
-        if short:
-            raise ValueError(f"{tokens}: tokens of {short} are not strings of >= 16 characters")
+        table = read_tokens(tokens, "client")
         built, config, dp = _build(
             strategy, fraction=fraction, min_clients=min_clients, epochs=epochs,
             batch_size=batch_size, lr=lr, model=model, rounds=rounds,
@@ -311,10 +311,27 @@ def client(
 def tokens(
     clients: Annotated[int, typer.Argument(help="How many clients.")],
     prefix: Annotated[str, typer.Option(help="Client names are PREFIX-0000, ...")] = "client",
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write the file here, readable by you only (mode 0600); it must not exist yet. "
+            "Without it the file is printed: a shell redirect makes it as your umask says, "
+            "usually readable by everyone."
+        ),
+    ] = None,
 ) -> None:
-    """Print a fresh tokens file (JSON) for ``distml fl server --tokens``."""
+    """A fresh tokens file (JSON) for ``distml fl server --tokens``."""
+    if clients < 1:
+        fail_usage(f"need at least 1 client, got {clients}")
     table = {f"{prefix}-{i:04d}": secrets.token_urlsafe(24) for i in range(clients)}
-    typer.echo(json.dumps(table, indent=1))
+    text = json.dumps(table, indent=1) + "\n"
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    try:
+        write_private(out, text)
+    except OSError as exc:
+        fail_usage(f"{out}: {exc.strerror or exc}")
 
 
 def load_client_data(spec: str):

@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from distml.cli.messages import fail_usage, report_failure
+from distml.cli.tokens import read_tokens
 
 hub_app = typer.Typer(
     help="Community contributions: a hub that evaluates and merges deltas.",
@@ -21,17 +22,6 @@ hub_app = typer.Typer(
 
 HubUrl = Annotated[str, typer.Option("--hub", help="The hub's URL.")]
 CaCert = Annotated[str | None, typer.Option(help="CA bundle to verify TLS with.")]
-
-
-def read_tokens(path: Path) -> dict[str, str]:
-    """The ``{contributor: token}`` table of a JSON file; a ValueError says what is wrong."""
-    table = json.loads(path.read_text())
-    if not isinstance(table, dict) or not table:
-        raise ValueError(f"{path}: expected a JSON object {{contributor name: token}}")
-    short = sorted(name for name, t in table.items() if not isinstance(t, str) or len(t) < 16)
-    if short:
-        raise ValueError(f"{path}: tokens of {short} are not strings of >= 16 characters")
-    return table
 
 
 @hub_app.command()
@@ -54,9 +44,10 @@ def serve(
     threshold: Annotated[
         float, typer.Option(help="Held-out accuracy a contribution may cost.")
     ] = 0.01,
-    max_norm: Annotated[
-        float | None, typer.Option(help="Refuse deltas of a larger L2 norm.")
-    ] = None,
+    max_norm: Annotated[float, typer.Option(help="Refuse deltas of a larger L2 norm.")] = 100.0,
+    max_loss_rise: Annotated[
+        float, typer.Option(help="Held-out cross-entropy (nats) a contribution may add.")
+    ] = 0.1,
     max_body_mb: Annotated[float, typer.Option(help="Refuse bodies above this size.")] = 64.0,
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 7500,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
@@ -65,8 +56,10 @@ def serve(
 ) -> None:
     """Serve the hub: judge submitted deltas on held-out data, merge the good ones.
 
-    A delta is merged as a new version when the held-out accuracy after it is at least the
-    accuracy before minus --threshold; every version and refusal is logged in --dir."""
+    A delta is merged as a new version when its L2 norm is at most --max-norm, every held-out
+    output stays finite, the held-out accuracy after it is at least the accuracy before minus
+    --threshold and the held-out loss rises by at most --max-loss-rise; every version and the
+    latest refusals are logged in --dir."""
     from pydantic import ValidationError
     from safetensors import SafetensorError
 
@@ -78,10 +71,13 @@ def serve(
     from distml.net import serve as serve_app
 
     try:
-        table = read_tokens(tokens)
-        config = HubConfig(model=model, seed=seed, threshold=threshold, max_norm=max_norm)
-        if not max_body_mb > 0:
-            raise ValueError(f"--max-body-mb must be > 0, got {max_body_mb}")
+        table = read_tokens(tokens, "contributor")
+        config = HubConfig(
+            model=model, seed=seed, threshold=threshold, max_norm=max_norm,
+            max_loss_rise=max_loss_rise,
+        )  # fmt: skip
+        if not (max_body_mb > 0 and math.isfinite(max_body_mb)):
+            raise ValueError(f"--max-body-mb must be a finite number > 0, got {max_body_mb}")
         data = digits("val") if held_out is None else load_client_data(held_out)
         hub = Hub(directory, data, config, initial=initial)
         app = create_hub_app(hub, table, max_body_bytes=int(max_body_mb * 2**20))
@@ -156,7 +152,8 @@ def contribute(
 
 @hub_app.command()
 def versions(hub_url: HubUrl, ca_cert: CaCert = None) -> None:
-    """Print the hub's provenance log (versions and refusals) as JSON.
+    """Print the hub's provenance log (every version, the latest refusals and counts of all)
+    as JSON.
 
     The token comes from DISTML_TOKEN."""
     from distml.federated.hub_app import HubClient

@@ -8,9 +8,8 @@ model, the round or the norm bound is answered 4xx and changes nothing.
 
 from __future__ import annotations
 
-import asyncio
 import json
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
 import torch
@@ -19,12 +18,29 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.responses import Response
 
 from distml.federated.server import FederatedServer, UpdateRejected
-from distml.net import create_app, decode_tensors, encode_tensors, read_body
+from distml.net import (
+    bounded_json,
+    create_app,
+    decode_tensors,
+    encode_tensors,
+    finite_float,
+    octet_stream_body,
+    read_body,
+)
 from distml.net.tensors import TensorPayloadError
 
 SAFETENSORS = "application/octet-stream"
 MessageStage = Literal["advertise", "share_keys", "masked_input", "unmask"]
 ViewStage = Literal["share_keys", "masked_input", "unmask"]
+# A client's example count weighs its update: bounded, so that no count overflows a float or
+# swamps the weighted mean beyond what a real dataset could.
+MAX_EXAMPLES = 10**9
+MAX_METRICS = 16
+MAX_METRIC_NAME = 64
+METRICS_BYTES = 4096
+EVALUATION = ("loss", "accuracy")
+# Each secure-aggregation message holds at most a few base64 strings per client of the round.
+SECAGG_BYTES_PER_CLIENT = 256
 
 
 def _identity(request: Request) -> str:
@@ -35,14 +51,55 @@ def _identity(request: Request) -> str:
 
 
 def _metrics_of(meta: dict[str, str]) -> tuple[int, dict[str, float]]:
+    """The example count and the metrics of an update's metadata, or 4xx: a count in
+    [1, MAX_EXAMPLES], metrics a flat, small JSON object of finite numbers, and a client's
+    evaluation (``loss`` with ``accuracy``) whole or absent."""
     try:
-        num_examples = int(meta["num_examples"])
-        metrics = {k: float(v) for k, v in json.loads(meta.get("metrics", "{}")).items()}
-    except (KeyError, ValueError, TypeError, AttributeError) as exc:
-        raise HTTPException(400, f"update metadata: {exc!r}") from None
-    if num_examples < 1:
-        raise HTTPException(422, f"num_examples must be >= 1, got {num_examples}")
+        num_examples = _num_examples(meta.get("num_examples"))
+        metrics = _metrics(meta.get("metrics", "{}"))
+    except ValueError as exc:
+        raise HTTPException(422, f"update metadata: {exc}") from None
     return num_examples, metrics
+
+
+def _num_examples(text: str | None) -> int:
+    if text is None:
+        raise ValueError("num_examples is missing")
+    if not (text.isascii() and text.isdigit()) or len(text) > len(str(MAX_EXAMPLES)):
+        raise ValueError(f"num_examples must be an integer of at most {MAX_EXAMPLES}: {text!r:.40}")
+    number = int(text)
+    if not 1 <= number <= MAX_EXAMPLES:
+        raise ValueError(f"num_examples must be >= 1 and <= {MAX_EXAMPLES}, got {number}")
+    return number
+
+
+def _metrics(text: str) -> dict[str, float]:
+    raw = bounded_json(text, max_bytes=METRICS_BYTES, max_depth=1)
+    if not isinstance(raw, dict) or len(raw) > MAX_METRICS:
+        raise ValueError(f"metrics must be a JSON object of at most {MAX_METRICS} numbers")
+    metrics = {}
+    for name, value in raw.items():
+        if not name or len(name) > MAX_METRIC_NAME:
+            raise ValueError(f"a metric name must have 1 to {MAX_METRIC_NAME} characters")
+        metrics[name] = finite_float(value, f"metric {name[:MAX_METRIC_NAME]!r}")
+    present = [key for key in EVALUATION if key in metrics]
+    if present and len(present) != len(EVALUATION):
+        raise ValueError(f"an evaluation needs both {EVALUATION}, got only {present}")
+    if present and not (metrics["loss"] >= 0 and 0 <= metrics["accuracy"] <= 1):
+        raise ValueError("an evaluation needs loss >= 0 and accuracy in [0, 1]")
+    return metrics
+
+
+def _secagg_payload(stage: str, body: bytes, clients: int) -> Any:
+    """A secure-aggregation message as the protocol reads it: the ring values of the masked
+    input, or bounded JSON."""
+    if stage == "masked_input":
+        tensors, _ = decode_tensors(body)
+        if set(tensors) != {"masked"} or tensors["masked"].dtype != torch.int32:
+            raise ValueError("expected one int32 tensor 'masked'")
+        return tensors["masked"].to(torch.int64) % 2**32  # the ring's values again
+    limit = 1024 + SECAGG_BYTES_PER_CLIENT * clients
+    return bounded_json(body, max_bytes=limit, max_depth=3)
 
 
 def create_fl_app(
@@ -55,12 +112,9 @@ def create_fl_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        task = asyncio.create_task(server.run())
-        app.state.rounds = task
+        app.state.loops.start("rounds", server.step)
         yield
-        task.cancel()
-        with suppress(asyncio.CancelledError):
-            await task
+        await app.state.loops.stop()
 
     def health() -> dict[str, Any]:
         rounds.set(server.completed)
@@ -102,7 +156,7 @@ def create_fl_app(
         body = server.model_body(encode_tensors)
         return Response(body, media_type=SAFETENSORS)
 
-    @app.post("/v1/update")
+    @app.post("/v1/update", openapi_extra=octet_stream_body(max_body_bytes, "an update"))
     async def update(request: Request, round: Annotated[int, Query(ge=1)]) -> dict[str, Any]:  # noqa: A002  (the protocol's word)
         client = _identity(request)
         body = await read_body(request, max_body_bytes)
@@ -120,7 +174,11 @@ def create_fl_app(
         updates.labels("accepted").inc()
         return {"status": "accepted", "round": round}
 
-    @app.post("/v1/secagg/{stage}")
+    message_body = octet_stream_body(
+        max_body_bytes, "a secure-aggregation message (JSON, or safetensors for masked_input)"
+    )
+
+    @app.post("/v1/secagg/{stage}", openapi_extra=message_body)
     async def secagg_message(
         request: Request, stage: MessageStage, round: Annotated[int, Query(ge=1)]
     ) -> dict[str, Any]:
@@ -129,15 +187,9 @@ def create_fl_app(
         client = _identity(request)
         body = await read_body(request, max_body_bytes)
         try:
-            if stage == "masked_input":
-                tensors, _ = decode_tensors(body)
-                if tensors["masked"].dtype != torch.int32:
-                    raise ValueError(f"masked must be int32, got {tensors['masked'].dtype}")
-                payload = tensors["masked"].to(torch.int64) % 2**32  # the ring's values again
-            else:
-                payload = json.loads(body)
-        except (TensorPayloadError, KeyError, ValueError) as exc:
-            raise HTTPException(400, f"{stage}: not a valid message ({exc!r})") from None
+            payload = _secagg_payload(stage, body, server.round_size())
+        except (TensorPayloadError, ValueError) as exc:
+            raise HTTPException(400, f"{stage}: not a valid message ({exc})") from None
         try:
             await server.secure_receive(client, round, stage, payload, len(body))
         except UpdateRejected as exc:

@@ -5,31 +5,49 @@ Routes, each behind a contributor's own bearer token (the token says who contrib
 
 - ``GET /v1/model?version=V``: a version's safetensors file (the latest by default); its
   metadata holds the version and its provenance.
-- ``GET /v1/versions``: the provenance log, versions and refusals.
+- ``GET /v1/versions``: the provenance log: every version, the latest refusals and counts of all.
 - ``POST /v1/contributions?base=V&kind=full|lora``: a safetensors body, the description in its
-  metadata; 201 with the new version's record, or 4xx with the reason it was refused.
+  metadata; 201 with the new version's record, or 4xx with the reason it was refused. At most
+  ``max_pending`` contributions are read or judged at once; the others wait for a turn before
+  their body is read, so a flood holds neither the memory of its bodies nor every thread.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import TYPE_CHECKING, Any, Literal
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from distml.federated.hub import ContributionRefused, Hub, linear_layers
-from distml.federated.task import Params, build_model, set_params, train_local
-from distml.net import ServiceClient, create_app, decode_tensors, encode_tensors, read_body
+from distml.federated.task import MODELS, Params, build_model, set_params, train_local
+from distml.net import (
+    ServiceClient,
+    ServiceError,
+    bounded_json,
+    create_app,
+    decode_tensors,
+    encode_tensors,
+    octet_stream_body,
+    read_body,
+)
+
+if TYPE_CHECKING:
+    import httpx
 
 SAFETENSORS = "application/octet-stream"
+MAX_VERSION = 2**31 - 1
+MAX_LOG_BYTES = 256 * 2**20
 
 
 def create_hub_app(
-    hub: Hub, tokens: dict[str, str], *, max_body_bytes: int = 64 * 2**20
+    hub: Hub, tokens: dict[str, str], *, max_body_bytes: int = 64 * 2**20, max_pending: int = 4
 ) -> FastAPI:
     """The ASGI app of ``hub``; ``tokens`` maps each contributor's name to their token."""
     registry = CollectorRegistry()
@@ -37,6 +55,12 @@ def create_hub_app(
         "distml_hub_contributions", "Contributions by outcome", ["status"], registry=registry
     )
     latest = Gauge("distml_hub_latest_version", "The latest model version", registry=registry)
+    waiting = Gauge(
+        "distml_hub_contributions_waiting", "Contributions waiting for a turn", registry=registry
+    )
+    if max_pending < 1:
+        raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+    turns = asyncio.Semaphore(max_pending)
 
     def health() -> dict[str, Any]:
         status = hub.health()
@@ -46,7 +70,7 @@ def create_hub_app(
     app = create_app("distml contribution hub", tokens, health, registry)
 
     @app.get("/v1/model")
-    async def model(version: int | None = None) -> Response:
+    async def model(version: int | None = Query(None, ge=0, le=MAX_VERSION)) -> Response:
         try:
             number, body = await run_in_threadpool(hub.model_body, version)
         except LookupError as exc:
@@ -57,15 +81,13 @@ def create_hub_app(
     async def versions() -> dict[str, Any]:
         return hub.log()
 
-    @app.post("/v1/contributions", status_code=201)
-    async def contribute(
-        request: Request, base: int | None = None, kind: str = "full"
+    async def judge(
+        request: Request, contributor: str, base: int | None, kind: str
     ) -> dict[str, Any]:
-        contributor = request.state.identity
-        if contributor is None:
-            raise HTTPException(403, "contributions need a contributor's own token")
         try:
             body = await read_body(request, max_body_bytes)
+        except ClientDisconnect:
+            raise HTTPException(400, "the body was cut short") from None
         except HTTPException as exc:
             await run_in_threadpool(
                 hub.refuse, contributor, exc.detail, exc.status_code, base=base, kind=kind
@@ -84,6 +106,31 @@ def create_hub_app(
         latest.set(record["version"])
         return record
 
+    @app.post(
+        "/v1/contributions",
+        status_code=201,
+        openapi_extra=octet_stream_body(
+            max_body_bytes, "the delta as safetensors, its description in the metadata"
+        ),
+    )
+    async def contribute(
+        request: Request,
+        base: int | None = Query(None, ge=0, le=MAX_VERSION),
+        kind: Literal["full", "lora"] = "full",
+    ) -> dict[str, Any]:
+        contributor = request.state.identity
+        if contributor is None:
+            raise HTTPException(403, "contributions need a contributor's own token")
+        waiting.inc()
+        try:
+            await turns.acquire()
+        finally:
+            waiting.dec()
+        try:
+            return await judge(request, contributor, base, kind)
+        finally:
+            turns.release()
+
     return app
 
 
@@ -99,19 +146,39 @@ class HubClient:
         self._http = ServiceClient(url, token, verify=verify, retry_s=retry_s)
 
     def model(self, version: int | None = None) -> tuple[int, Params, dict[str, str]]:
+        """(version, parameters, metadata); ServiceError when the answer is not a model this
+        hub could serve."""
         params = {} if version is None else {"version": version}
         body = self._http.request("GET", "/v1/model", params=params).content
-        tensors, meta = decode_tensors(body)
-        return int(meta["version"]), tensors, meta
+        try:
+            tensors, meta = decode_tensors(body)
+            number = meta.get("version", "")
+            if meta.get("model") not in MODELS or not (number.isdigit() and len(number) < 11):
+                raise ValueError(f"metadata model={meta.get('model')!r}, version={number!r}")
+        except ValueError as exc:
+            raise ServiceError(f"GET /v1/model: not a model of a hub: {str(exc)[:200]}") from None
+        return int(number), tensors, meta
 
     def versions(self) -> dict[str, Any]:
-        return self._http.request("GET", "/v1/versions").json()
+        return self._json(self._http.request("GET", "/v1/versions"))
 
     def contribute(self, body: bytes, *, base: int, kind: str) -> dict[str, Any]:
         """The new version's record; a refusal raises ServiceError with its status and reason.
         A retried request cannot merge twice: the hub refuses a payload it has merged."""
         query = {"base": base, "kind": kind}
-        return self._http.request("POST", "/v1/contributions", params=query, content=body).json()
+        response = self._http.request("POST", "/v1/contributions", params=query, content=body)
+        return self._json(response)
+
+    @staticmethod
+    def _json(response: httpx.Response) -> dict[str, Any]:
+        """A JSON object of the hub's, bounded: a hub is a peer too."""
+        try:
+            value = bounded_json(response.content, max_bytes=MAX_LOG_BYTES)
+        except ValueError as exc:
+            raise ServiceError(f"{response.url}: {exc}") from None
+        if not isinstance(value, dict):
+            raise ServiceError(f"{response.url}: a JSON {type(value).__name__}, not an object")
+        return value
 
     def close(self) -> None:
         self._http.close()

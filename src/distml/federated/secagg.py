@@ -179,8 +179,24 @@ def _prg(seed: bytes, length: int) -> np.ndarray:
     return np.frombuffer(stream.update(bytes(4 * length)), dtype="<u4")
 
 
+def _exchange(sk: X25519PrivateKey, pk: X25519PublicKey, what: str) -> bytes:
+    """X25519, refusing a low-order public key (its shared secret is all zeros, RFC 7748 6.1)
+    as the peer's fault, with :class:`SecAggError`."""
+    try:
+        return sk.exchange(pk)
+    except ValueError:
+        raise SecAggError(f"{what}: a low-order public key (no shared secret)") from None
+
+
+def _public_key(raw: bytes, what: str) -> X25519PublicKey:
+    """A peer's public key, checked to agree a secret (a low-order point would not)."""
+    key = X25519PublicKey.from_public_bytes(raw)
+    _exchange(X25519PrivateKey.generate(), key, what)
+    return key
+
+
 def _pair_seed(sk: X25519PrivateKey, pk: X25519PublicKey) -> bytes:
-    return _kdf(sk.exchange(pk), b"pairwise mask", _SEED)
+    return _kdf(_exchange(sk, pk, "pairwise mask"), b"pairwise mask", _SEED)
 
 
 def _mask_key(seed: bytes) -> X25519PrivateKey:
@@ -285,7 +301,10 @@ class SecAggClient:
         if len({k for pair in raw.values() for k in pair}) != 2 * len(raw):
             raise self._error("two advertised public keys are equal")
         self._peers = {
-            p: (X25519PublicKey.from_public_bytes(c), X25519PublicKey.from_public_bytes(s))
+            p: (
+                _public_key(c, f"client {self.id}: client {p}'s c_pk"),
+                _public_key(s, f"client {self.id}: client {p}'s s_pk"),
+            )
             for p, (c, s) in raw.items()
         }
         self._b = os.urandom(_SEED)
@@ -300,7 +319,8 @@ class SecAggClient:
                 self._held[peer] = b_share + s_share
                 continue
             # The same key opens the peer's shares in the next stage: one key exchange, not two.
-            key = _kdf(self._c_sk.exchange(self._peers[peer][0]), b"share encryption", 32)
+            secret = _exchange(self._c_sk, self._peers[peer][0], f"client {self.id}, share_keys")
+            key = _kdf(secret, b"share encryption", 32)
             self._boxes[peer] = AESGCM(key)
             nonce = os.urandom(_NONCE)
             sealed = self._boxes[peer].encrypt(nonce, b_share + s_share, _share_ad(self.id, peer))
@@ -420,8 +440,13 @@ class SecAggServer:
         self._check(client_id, "advertise", self.participants, self._u1 is None, self._ads)
         if not isinstance(adv, dict) or set(adv) != set(_KEYS):
             raise SecAggError(f"client {client_id}, advertise: expected the keys {_KEYS}")
-        for k in _KEYS:
-            _unb64(adv[k], 32, f"client {client_id}, advertise: {k}")
+        keys = [_unb64(adv[k], 32, f"client {client_id}, advertise: {k}") for k in _KEYS]
+        for k, raw in zip(_KEYS, keys, strict=True):
+            _public_key(raw, f"client {client_id}, advertise: {k}")
+        if keys[0] == keys[1] or any(
+            adv[k] in (other["c_pk"], other["s_pk"]) for other in self._ads.values() for k in _KEYS
+        ):
+            raise SecAggError(f"client {client_id}, advertise: a public key already advertised")
         self._ads[client_id] = dict(adv)
 
     def public_keys(self) -> dict[str, dict[str, str]]:

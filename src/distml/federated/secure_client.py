@@ -41,7 +41,9 @@ class SecureSession:
                 self._post(stage, content=encode_tensors({"masked": wire}))
             else:
                 self._post(stage, content=json.dumps(message).encode())
-        except SecAggError as exc:  # the protocol says stop: sitting out is the safe answer
+        except (SecAggError, ValueError) as exc:
+            # The protocol says stop, or a peer's (or the server's) material is bad: sitting out
+            # is the safe answer, and the others go on without this client.
             log.warning("secure aggregation, %s: %s", stage, exc)
             self.active = False
         except ServiceError as exc:

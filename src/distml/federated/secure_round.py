@@ -91,7 +91,7 @@ class SecureRound:
                 self.server.survivors()
             else:
                 self.total = self.server.aggregate()
-        except SecAggError as exc:
+        except (SecAggError, ValueError) as exc:  # a client's bad shares fail this round only
             self.failure = str(exc)
             return
         self.stage += 1

@@ -3,8 +3,11 @@
 A round: sample clients with the strategy, publish the global model and the round's settings,
 collect updates until every selected client has answered or the deadline passes, then, if at
 least ``quorum`` of them answered, aggregate, evaluate on the server's held-out data and
-checkpoint. Updates for a round that has closed are refused as late. A round without its quorum
-is run again with a fresh sample. A restarted server resumes after its last completed round.
+checkpoint. The deadline is ``round_timeout_s`` after the round's first update: the clients
+train under the same load, so a busy machine that slows them all does not drop the slowest (a
+round that nobody answers closes ``availability_s`` later). Updates for a round that has closed
+are refused as late. A round without its quorum is run again with a fresh sample. A restarted
+server resumes after its last completed round.
 """
 
 from __future__ import annotations
@@ -35,13 +38,20 @@ from distml.federated.task import (
     set_params,
     unflatten,
 )
+from distml.net import LoopStopped
+
+# Rounds in a row that end in an error (not a missed quorum) before the server gives up: the
+# same failure again and again is a fault no fresh sample of clients will get past.
+MAX_ROUND_ERRORS = 3
 
 
 class ServerConfig(BaseModel):
     model: str = "digits-mlp"
     rounds: int = Field(10, ge=1)
     min_available: int = Field(2, ge=1, description="available clients to start a round")
-    round_timeout_s: float = Field(60.0, gt=0, description="deadline of a round's updates")
+    round_timeout_s: float = Field(
+        60.0, gt=0, description="how long a round waits for the rest after its first update"
+    )
     quorum: float = Field(0.5, gt=0, le=1, description="fraction of the selected that must answer")
     availability_s: float = Field(120.0, gt=0, description="silence after which a client is away")
     max_update_norm: float | None = Field(None, gt=0, description="refuse updates above it")
@@ -107,6 +117,7 @@ class FederatedServer:
         self.round: Round | None = None
         self.late = 0
         self.finished = False
+        self.round_errors = 0  # rounds in a row that ended in an error
         self.generation = secrets.token_hex(4)  # new at every start: clients see a restart
         self._cond = asyncio.Condition()
         self._model_body: tuple[int, bytes] | None = None
@@ -226,21 +237,68 @@ class FederatedServer:
 
     # -- the rounds -------------------------------------------------------------------------
     async def run(self) -> None:
-        """Run rounds until ``config.rounds`` have completed."""
+        """Run rounds until ``config.rounds`` have completed (a service runs :meth:`step` in
+        its supervised background loop instead)."""
         while self.completed < self.config.rounds:
-            r = await self._open_round()
+            await self.step()
+        await self._finish()
+
+    async def step(self) -> None:
+        """One round: open, collect, aggregate, record. A round that fails with an error is
+        recorded as failed, with the model and the strategy as they were, and the error raised
+        for the caller to report; the next step opens a fresh round. After MAX_ROUND_ERRORS
+        such rounds in a row, :class:`LoopStopped`. Once every round is done, waits for ever."""
+        if self.completed >= self.config.rounds:
+            await self._finish()
+            await asyncio.Future()  # nothing left to run: a service's loop idles here
+        r = await self._open_round()
+        saved = self._saved_state()
+        try:
             await self._collect(r)
             record = await self._finish_round(r)
-            async with self._cond:
-                self.history.append(record)
-                if record["status"] == "completed":
-                    self.completed = r.number
-                    if self.checkpoint_dir is not None:
-                        await asyncio.to_thread(self._checkpoint)
-                self._cond.notify_all()
+        except Exception as exc:
+            self._restore_state(saved)
+            await self._record(r, self._failed(r, f"error: {type(exc).__name__}: {exc}"))
+            self.round_errors += 1
+            if self.round_errors >= MAX_ROUND_ERRORS:
+                raise LoopStopped(f"{self.round_errors} rounds in a row ended in an error") from exc
+            raise
+        self.round_errors = 0
+        await self._record(r, record)
+        if self.completed >= self.config.rounds:
+            await self._finish()
+
+    async def _record(self, r: Round, record: dict[str, Any]) -> None:
+        async with self._cond:
+            r.open = False
+            self.history.append(record)
+            if record["status"] == "completed":
+                self.completed = r.number
+                if self.checkpoint_dir is not None:
+                    await asyncio.to_thread(self._checkpoint)
+            self._cond.notify_all()
+
+    async def _finish(self) -> None:
         async with self._cond:
             self.finished = True
             self._cond.notify_all()
+
+    def _saved_state(self) -> tuple[Params, dict[str, torch.Tensor], dict[str, Any] | None]:
+        """What aggregating a round changes, to put back if it fails half-way."""
+        dp = self.dp.state() if self.dp is not None else None
+        return dict(self.params), dict(self.strategy.state_dict()), dp
+
+    def _restore_state(self, saved) -> None:
+        params, strategy_state, dp = saved
+        self.params = params
+        self.strategy.load_state_dict(strategy_state)
+        if self.dp is not None:
+            self.dp.load_state(dp)
+
+    def round_size(self) -> int:
+        """How many clients the open round selected (0 when none is open)."""
+        r = self.round
+        return len(r.selected) if r is not None and r.open else 0
 
     async def _open_round(self) -> Round:
         async with self._cond:
@@ -250,7 +308,10 @@ class FederatedServer:
             selected, cfg = self.strategy.configure_fit(number, self.available(), rng)
             if self.dp is not None:
                 cfg["clip_norm"] = self.dp.clip_norm
-            deadline = time.monotonic() + self.config.round_timeout_s
+            wait = self.config.round_timeout_s + (
+                0.0 if self.config.secure_aggregation else self.config.availability_s
+            )
+            deadline = time.monotonic() + wait
             self.round = Round(number, len(self.history) + 1, selected, cfg, deadline)
             if self.config.secure_aggregation:
                 self.round.secure = self._secure_round(selected)
@@ -271,7 +332,11 @@ class FederatedServer:
         Under secure aggregation, the same for each stage of the protocol."""
         async with self._cond:
             if r.secure is None:
-                await self._wait(lambda: len(r.updates) == len(r.selected), r.deadline)
+                await self._wait(lambda: len(r.updates) > 0, r.deadline)
+                if r.arrivals:
+                    first = r.arrivals[0] - time.perf_counter() + time.monotonic()
+                    deadline = min(first + self.config.round_timeout_s, r.deadline)
+                    await self._wait(lambda: len(r.updates) == len(r.selected), deadline)
             else:
                 while not r.secure.done:
                     training = STAGES[r.secure.stage] == "masked_input"
@@ -330,32 +395,23 @@ class FederatedServer:
 
     async def _finish_round(self, r: Round) -> dict[str, Any]:
         updates = list(r.updates.values())
-        answered = len(updates) if r.secure is None else r.secure.survivors()
+        record = self._entry(r)
+        answered = record["participants"]
         needed = max(1, math.ceil(self.config.quorum * len(r.selected)))
-        record: dict[str, Any] = {
-            "round": r.number,
-            "selected": len(r.selected),
-            "participants": answered,
-            "dropped": len(r.selected) - answered,
-            "bytes_down": r.bytes_down,
-            "bytes_up": r.bytes_up,
-        }
-        if r.secure is not None:
-            record["secure"] = True
         if answered < needed or (r.secure is not None and r.secure.total is None):
-            record["status"] = "failed"
-            if r.secure is not None and r.secure.failure:
-                record["reason"] = r.secure.failure
-            record["duration_s"] = time.perf_counter() - r.started
-            return record
+            reason = r.secure.failure if r.secure is not None else None
+            return self._failed(r, reason)
         available = max(len(self.available()), len(r.selected))
-        self.params = await asyncio.to_thread(self._aggregate, r, updates, available)
+        params = await asyncio.to_thread(self._aggregate, r, updates, available)
+        if not all(bool(torch.isfinite(t).all()) for t in params.values()):
+            raise ValueError(f"round {r.number}: the aggregate holds NaN or infinity")
+        self.params = params
         record.update(await asyncio.to_thread(self._evaluate))
         fed = self.strategy.aggregate_evaluate(
             [
                 u.metrics | {"num_examples": u.num_examples}
                 for u in updates
-                if "accuracy" in u.metrics
+                if "loss" in u.metrics and "accuracy" in u.metrics
             ]
         )
         record.update({f"client_{k}": v for k, v in fed.items()})
@@ -370,6 +426,30 @@ class FederatedServer:
             record["epsilon"] = self.dp.epsilon()
         record["status"] = "completed"
         record["duration_s"] = time.perf_counter() - r.started
+        return record
+
+    @staticmethod
+    def _entry(r: Round) -> dict[str, Any]:
+        """What every round's history entry says, completed or not: who answered, the bytes."""
+        answered = len(r.updates) if r.secure is None else r.secure.survivors()
+        record: dict[str, Any] = {
+            "round": r.number,
+            "selected": len(r.selected),
+            "participants": answered,
+            "dropped": len(r.selected) - answered,
+            "bytes_down": r.bytes_down,
+            "bytes_up": r.bytes_up,
+        }
+        if r.secure is not None:
+            record["secure"] = True
+        return record
+
+    def _failed(self, r: Round, reason: str | None) -> dict[str, Any]:
+        record = self._entry(r)
+        record["status"] = "failed"
+        record["duration_s"] = time.perf_counter() - r.started
+        if reason:
+            record["reason"] = reason
         return record
 
     def _aggregate(self, r: Round, updates: list[ClientUpdate], available: int) -> Params:

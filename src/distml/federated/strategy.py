@@ -92,7 +92,10 @@ class Strategy:
 
     # -- evaluate ---------------------------------------------------------------------------
     def aggregate_evaluate(self, results: list[dict[str, float]]) -> dict[str, float]:
-        """Clients' evaluations of the global model on their own data, weighted by examples."""
+        """Clients' evaluations of the global model on their own data, weighted by examples;
+        a result without its loss, accuracy or example count is no evaluation and is left out."""
+        keys = ("loss", "accuracy", "num_examples")
+        results = [r for r in results if all(k in r for k in keys)]
         total = sum(r["num_examples"] for r in results)
         if not total:
             return {}
