@@ -2,15 +2,16 @@
 :mod:`distml.ps.shard`).
 
 Every route needs the bearer token. Workers identify themselves with ``worker=RANK``; tensors
-travel as safetensors bodies; a push that does not fit the shard is answered 400 and changes
-nothing.
+travel as safetensors bodies; a push or an initialisation that does not fit the shard is answered
+4xx and changes nothing. A push whose optimizer step fails is answered 503 and counted nowhere:
+the client sends it again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from contextlib import asynccontextmanager, suppress
+import logging
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,14 +19,30 @@ from fastapi import FastAPI, HTTPException, Query, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.responses import Response
 
-from distml.net import create_app, decode_tensors, encode_tensors, read_body
+from distml.net import (
+    bounded_json,
+    create_app,
+    decode_tensors,
+    encode_tensors,
+    octet_stream_body,
+    read_body,
+)
 from distml.net.tensors import TensorPayloadError
-from distml.ps.shard import ClaimRejected, NotInitialized, ParameterShard, PushRejected
+from distml.ps.optimizer_spec import MAX_SPEC_BYTES
+from distml.ps.shard import (
+    ClaimRejected,
+    NotInitialized,
+    ParameterShard,
+    PushRejected,
+    StepFailed,
+)
 from distml.ps.snapshot import load_snapshot, save_snapshot
 
 SAFETENSORS = "application/octet-stream"
 Worker = Annotated[int, Query(ge=0, lt=100_000)]
-Count = Annotated[int, Query(ge=0)]
+Count = Annotated[int, Query(ge=0, le=2**62)]
+SPEC_DEPTH = 4  # {"groups": [{"betas": [...]}]}
+log = logging.getLogger("distml.ps")
 
 
 class _Metrics:
@@ -61,29 +78,29 @@ def create_shard_app(
             load_snapshot(shard, snapshot_path)
             last_snapshot["version"] = shard.version
         interval = shard.settings.heartbeat_timeout_s / 4
-
-        async def watch() -> None:
-            while True:
-                await asyncio.sleep(interval)
-                await shard.check_liveness()
-
-        task = asyncio.create_task(watch())
+        app.state.loops.start("liveness", shard.check_liveness, interval)
         yield
-        task.cancel()
-        with suppress(asyncio.CancelledError):
-            await task
+        await app.state.loops.stop()
 
     app = create_app("distml parameter server", token, health)
     app.router.lifespan_context = lifespan
     metrics = _Metrics(app.state.registry)
 
+    async def write_snapshot() -> None:
+        async with shard.lock:
+            await asyncio.to_thread(save_snapshot, shard, snapshot_path)
+            last_snapshot["version"] = shard.version
+
     async def snapshot_if_due(force: bool = False) -> None:
-        if snapshot_path is None:
+        """A snapshot when one is due; one that cannot be written is logged and tried again at
+        the next push (the push it follows is applied all the same)."""
+        if snapshot_path is None or not shard.initialized:
             return
         if force or shard.version - last_snapshot["version"] >= snapshot_every:
-            async with shard.lock:
-                await asyncio.to_thread(save_snapshot, shard, snapshot_path)
-                last_snapshot["version"] = shard.version
+            try:
+                await write_snapshot()
+            except OSError:
+                log.exception("cannot write the snapshot %s", snapshot_path)
 
     async def tensors_of(request: Request) -> tuple[dict, dict[str, str], int]:
         body = await read_body(request, max_body_bytes)
@@ -97,11 +114,18 @@ def create_shard_app(
     async def register(worker: Worker) -> dict[str, Any]:
         return await shard.register(worker)
 
-    @app.post("/v1/init")
+    init_body = octet_stream_body(
+        max_body_bytes,
+        "the initial parameters, with the optimizer's JSON description as the "
+        "metadata entry 'optimizer'",
+    )
+
+    @app.post("/v1/init", openapi_extra=init_body)
     async def initialize(request: Request, worker: Worker) -> dict[str, Any]:
         tensors, meta, _ = await tensors_of(request)
         try:
-            spec = json.loads(meta.get("optimizer", ""))
+            text = meta.get("optimizer", "")
+            spec = bounded_json(text, max_bytes=MAX_SPEC_BYTES, max_depth=SPEC_DEPTH)
             done = await shard.initialize(tensors, spec)
         except (ValueError, PushRejected) as exc:
             raise HTTPException(400, f"bad initialisation: {exc}") from None
@@ -109,7 +133,9 @@ def create_shard_app(
             await snapshot_if_due(force=True)
         return {**shard.status(), "accepted": done}
 
-    @app.post("/v1/push")
+    push_body = octet_stream_body(max_body_bytes, "the gradients of the shard's parameters")
+
+    @app.post("/v1/push", openapi_extra=push_body)
     async def push(request: Request, worker: Worker, step: Count, version: Count) -> dict[str, Any]:
         grads, _, nbytes = await tensors_of(request)
         try:
@@ -119,6 +145,9 @@ def create_shard_app(
             raise HTTPException(400, str(exc)) from None
         except NotInitialized as exc:
             raise HTTPException(409, str(exc)) from None
+        except StepFailed as exc:
+            metrics.pushes.labels("failed").inc()
+            raise HTTPException(503, str(exc)) from None
         metrics.pushes.labels(answer["status"]).inc()
         metrics.bytes.labels("pushed").inc(nbytes)
         metrics.version.set(shard.version)
@@ -179,14 +208,23 @@ def create_shard_app(
 
     @app.post("/v1/done")
     async def done(worker: Worker) -> dict[str, Any]:
-        await shard.done(worker)
+        try:
+            await shard.done(worker)
+        except StepFailed as exc:  # the worker is done; the step it completed is tried again
+            raise HTTPException(503, str(exc)) from None
         return shard.status()
 
     @app.post("/v1/snapshot")
     async def snapshot() -> dict[str, Any]:
         if snapshot_path is None:
             raise HTTPException(409, "this shard was started without a snapshot path")
-        await snapshot_if_due(force=True)
+        if not shard.initialized:
+            raise HTTPException(409, "the shard has no parameters yet: nothing to snapshot")
+        try:
+            await write_snapshot()
+        except OSError as exc:
+            log.exception("cannot write the snapshot %s", snapshot_path)
+            raise HTTPException(503, f"cannot write the snapshot: {exc.strerror}") from None
         return {"path": str(snapshot_path), "version": last_snapshot["version"]}
 
     @app.get("/v1/status")

@@ -25,12 +25,16 @@ BSP's barrier takes one batch from every worker each step; its workers keep fixe
 
 A worker that has not been heard from for ``heartbeat_timeout_s`` leaves the barrier (BSP) and the
 slowest-clock rule (SSP); it is admitted again when it registers. Pushes carry the worker's own
-step counter and are applied at most once: a retried push gets the first answer again.
+step counter and are applied at most once: a retried push gets the first answer again. A push
+is counted only once its optimizer step has succeeded: a step that fails leaves the clocks, the
+version and the gradients waiting for a barrier as they were, so the same push, sent again, is
+applied.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
 import time
 import uuid
@@ -40,9 +44,10 @@ from typing import Any, Literal
 
 import torch
 
-from distml.ps.optimizer_spec import build_optimizer
+from distml.ps.optimizer_spec import FLOAT_DTYPES, build_optimizer, validate_optimizer_spec
 
 Consistency = Literal["bsp", "asp", "ssp"]
+log = logging.getLogger("distml.ps")
 
 
 class PushRejected(ValueError):
@@ -55,6 +60,10 @@ class ClaimRejected(ValueError):
 
 class NotInitialized(RuntimeError):
     """The shard has no parameters yet: the first worker has not sent them."""
+
+
+class StepFailed(RuntimeError):
+    """The optimizer step failed; no clock, version or waiting gradient changed (send again)."""
 
 
 @dataclass
@@ -149,14 +158,19 @@ class ParameterShard:
         """``worker`` has finished: it no longer holds back a barrier or the slowest clock."""
         async with self._cond:
             self._seen(worker).done = True
-            await self._maybe_complete_step()
-            self._advance_view()
-            self._cond.notify_all()
+            await self._settle()
 
     async def check_liveness(self) -> None:
         """Called periodically: a worker that went silent leaves the barrier."""
         async with self._cond:
+            await self._settle()
+
+    async def _settle(self) -> None:
+        """Complete the BSP step the live workers have all pushed for, and wake the readers
+        (also when that step fails: membership changed all the same)."""
+        try:
             await self._maybe_complete_step()
+        finally:
             self._advance_view()
             self._cond.notify_all()
 
@@ -189,18 +203,24 @@ class ParameterShard:
             return index
 
     # -- parameters -------------------------------------------------------------------------
-    async def initialize(self, tensors: dict[str, torch.Tensor], spec: dict[str, Any]) -> bool:
+    async def initialize(self, tensors: dict[str, torch.Tensor], spec: Any) -> bool:
         """Take the first worker's parameters and optimizer; False if already initialised (a
         second worker's, or a retried, initialisation changes nothing)."""
         async with self._cond:
             if self.initialized:
                 return False
+            for name, value in tensors.items():
+                if value.dtype not in FLOAT_DTYPES:
+                    raise PushRejected(
+                        f"initial value of {name[:200]!r} is {value.dtype}; a shard holds "
+                        f"{', '.join(str(d) for d in FLOAT_DTYPES)}"
+                    )
+                if not torch.isfinite(value).all():
+                    raise PushRejected(f"initial value of {name[:200]!r} is not finite")
             params = {
                 n: torch.nn.Parameter(t.clone(), requires_grad=True) for n, t in tensors.items()
             }
-            for name, value in tensors.items():
-                if not value.is_floating_point() or not torch.isfinite(value).all():
-                    raise PushRejected(f"initial value of {name!r} is not finite floating point")
+            spec = validate_optimizer_spec(spec)
             self.optimizer = build_optimizer(spec, params)
             self.params = params
             self.optimizer_spec = spec
@@ -240,16 +260,18 @@ class ParameterShard:
             if step < state.clock:
                 self.pushes["duplicate"] += 1
                 return {**state.last_answer, "status": "duplicate"}
-            self.queue_s.append(time.perf_counter() - arrived)
-            self.bytes_pushed += nbytes
-            state.clock = step + 1
+            queued = time.perf_counter() - arrived
             if self.settings.consistency == "bsp":
                 answer = await self._push_bsp(worker, version, grads)
             else:
                 staleness = max(0, self.version - version)
                 await self._apply([grads], scale=1.0 / self.settings.workers, staleness=staleness)
-                self.pushes["applied"] += 1
                 answer = {"status": "applied", "read_version": self.version}
+            # Counted only now: a push whose step failed (StepFailed) is sent again, not a retry.
+            self.pushes[answer["status"]] += 1
+            self.queue_s.append(queued)
+            self.bytes_pushed += nbytes
+            state.clock = step + 1
             state.last_answer = answer
             self._advance_view()
             self._cond.notify_all()
@@ -259,14 +281,20 @@ class ParameterShard:
         self, worker: int, version: int, grads: dict[str, torch.Tensor]
     ) -> dict[str, Any]:
         if version < self.version:  # that step is complete: a backup worker's late gradient
-            self.pushes["dropped"] += 1
             return {"status": "dropped", "read_version": self.version}
         # version > self.version: this shard restarted from a snapshot older than the worker's
         # parameters; the gradient counts toward the step the shard is at.
         target = self.version
+        before = self._pending.get(worker)
         self._pending[worker] = grads
-        self.pushes["accepted"] += 1
-        await self._maybe_complete_step()
+        try:
+            await self._maybe_complete_step()
+        except StepFailed:
+            if before is None:
+                del self._pending[worker]
+            else:
+                self._pending[worker] = before
+            raise
         return {"status": "accepted", "read_version": target + 1}
 
     def quorum(self) -> int:
@@ -281,32 +309,42 @@ class ParameterShard:
         if len(self._pending) < quorum:
             return
         first = list(self._pending.values())[:quorum]
-        self._pending.clear()
         await self._apply(first, scale=1.0 / len(first), staleness=0)
+        self._pending.clear()
 
     async def _apply(
         self, grads: list[dict[str, torch.Tensor]], scale: float, staleness: int
     ) -> None:
         """One optimizer step on the scaled sum of ``grads`` (in a thread: the event loop keeps
-        taking requests, which queue on the lock this coroutine holds)."""
-        self.staleness[staleness] += len(grads)
+        taking requests, which queue on the lock this coroutine holds). :class:`StepFailed` if
+        the step raises: the version and the telemetry stay as they were."""
+        factor = 1.0 / (1 + staleness) if self.settings.staleness_lr else 1.0
 
         def step() -> None:
-            for name, param in self.params.items():
-                total = grads[0][name].clone() if len(grads) == 1 else sum(g[name] for g in grads)
-                param.grad = total.mul_(scale)
-            factor = 1.0 / (1 + staleness) if self.settings.staleness_lr else 1.0
             saved = [g["lr"] for g in self.optimizer.param_groups]
-            for g in self.optimizer.param_groups:
-                g["lr"] = g["lr"] * factor
-            self.optimizer.step()
-            for g, lr in zip(self.optimizer.param_groups, saved, strict=True):
-                g["lr"] = lr
-            self.optimizer.zero_grad(set_to_none=True)
+            try:
+                for name, param in self.params.items():
+                    total = sum(g[name] for g in grads[1:]) + grads[0][name]
+                    param.grad = total.mul_(scale)
+                for g in self.optimizer.param_groups:
+                    g["lr"] = g["lr"] * factor
+                self.optimizer.step()
+            finally:
+                for g, lr in zip(self.optimizer.param_groups, saved, strict=True):
+                    g["lr"] = lr
+                self.optimizer.zero_grad(set_to_none=True)
 
         start = time.perf_counter()
-        await asyncio.to_thread(step)
+        try:
+            await asyncio.to_thread(step)
+        except Exception as exc:
+            log.exception("the optimizer step after version %d failed", self.version)
+            raise StepFailed(
+                f"the optimizer step failed ({type(exc).__name__}: {str(exc)[:200]}); nothing "
+                "was counted: send the push again"
+            ) from exc
         self.apply_s.append(time.perf_counter() - start)
+        self.staleness[staleness] += len(grads)
         self.version += 1
 
     def _slowest_clock(self) -> int | None:

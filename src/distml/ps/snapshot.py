@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from distml.ps.optimizer_spec import build_optimizer
+from distml.ps.optimizer_spec import build_optimizer, validate_optimizer_spec
 from distml.ps.shard import ParameterShard, WorkerState
 
 
@@ -73,7 +73,8 @@ def load_snapshot(shard: ParameterShard, path: Path) -> None:
         for k, v in tensors.items()
         if k.startswith("param/")
     }
-    optimizer = build_optimizer(meta["optimizer_spec"], params)
+    spec = validate_optimizer_spec(meta["optimizer_spec"])
+    optimizer = build_optimizer(spec, params)
     names = _names_in_optimizer_order(params, optimizer)
     state: dict[int, dict] = {}
     for key, value in tensors.items():
@@ -86,7 +87,7 @@ def load_snapshot(shard: ParameterShard, path: Path) -> None:
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
     shard.params = params
     shard.optimizer = optimizer
-    shard.optimizer_spec = meta["optimizer_spec"]
+    shard.optimizer_spec = spec
     shard.version = shard.restored_version = int(meta["version"])
     shard.workers = {
         int(w): WorkerState(
