@@ -49,6 +49,15 @@ def test_missing_checkpoint_or_token_is_a_usage_error(tmp_path):
     assert runner.invoke(_root(), args, env={TOKEN_ENV: "short"}).exit_code == 2
 
 
+def test_a_batch_larger_than_the_row_cap_is_a_usage_error(tmp_path):
+    runner = CliRunner()
+    for command in (["serve", "ckpt"], ["serve", "replica", "ckpt"]):
+        args = [*command, "--max-batch-size", "64", "--max-batch-rows", "8"]
+        result = runner.invoke(_root(), args, env={TOKEN_ENV: TOKEN})
+        assert result.exit_code == 2, result.output
+        assert "--max-batch-rows (8)" in result.output
+
+
 def test_serve_command_serves_and_stops(tmp_path):
     save_model(DigitsCNN(), str(tmp_path / "model.safetensors"))
     port = free_port()

@@ -31,6 +31,7 @@ from distml.serve.supervisor import ReplicaCommand, ReplicaSet
 TOKEN = "serving-test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 INFER = "/v2/models/digits-cnn/infer"
+ROWS = 64  # the replicas' --max-batch-rows
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,9 @@ def oracle(checkpoint):
 def deployment(checkpoint, tmp_path_factory):
     """Two replica processes and the router in this process, as ``distml serve`` runs them."""
     os.environ[TOKEN_ENV] = TOKEN
-    command = ReplicaCommand(str(checkpoint), "digits-cnn", max_batch_size=16, max_delay_ms=2)
+    command = ReplicaCommand(
+        str(checkpoint), "digits-cnn", max_batch_size=16, max_delay_ms=2, max_batch_rows=ROWS
+    )
     logs = tmp_path_factory.mktemp("logs")
     with ReplicaSet(command, 2, TOKEN, log_dir=logs) as replicas:
         replicas.wait_ready(120)
@@ -180,6 +183,31 @@ def test_nonfinite_unknown_model_and_junk(deployment):
     assert httpx.get(url + "/v2/models/resnet", headers=AUTH).status_code == 404
     assert all(p.popen.poll() is None for p in replicas.processes)
     assert httpx.get(url + "/v2/health/ready", headers=AUTH).status_code == 200
+
+
+def test_numbers_outside_fp32_and_too_many_rows_are_refused_once(deployment):
+    """A 401-digit integer, 1e39 (finite, but no FP32 value) and more rows than
+    ``--max-batch-rows`` are the client's fault: 4xx, answered by one replica, never retried on
+    another, no replica taken out of rotation."""
+    replicas, router, url = deployment
+
+    def retries() -> float:
+        text = httpx.get(url + "/metrics", headers=AUTH).text
+        line = next(x for x in text.splitlines() if x.startswith("distml_router_retries_total"))
+        return float(line.split()[-1])
+
+    before = retries()
+    rest = ",".join(["0.5"] * 63)
+    for first, rows, status in (("9" * 401, 1, 400), ("1e39", 1, 400), ("0.5", ROWS + 1, 413)):
+        data = ",".join([first, rest] + [rest + ",0.5"] * (rows - 1))
+        raw = f'{{"inputs":[{{"name":"input","shape":[{rows},1,8,8],"datatype":"FP32","data":[{data}]}}]}}'  # noqa: E501
+        r = httpx.post(url + INFER, content=raw, headers=AUTH)
+        assert r.status_code == status, (first[:6], rows, r.text)
+        assert "error" in r.json()
+    assert f"limit of {ROWS} rows" in r.json()["error"]
+    assert retries() == before
+    assert all(r.healthy and r.failures == 0 for r in router.replicas)
+    assert all(p.popen.poll() is None for p in replicas.processes)
 
 
 def test_oversized_body_gets_413(checkpoint):

@@ -35,6 +35,12 @@ Model = Annotated[
 ]
 Name = Annotated[str | None, typer.Option(help="Name served under; default: the architecture.")]
 MaxBatch = Annotated[int, typer.Option(min=1, help="Rows per batch, at most (1: no batching).")]
+MaxRows = Annotated[
+    int,
+    typer.Option(
+        min=1, help="Rows per request and per forward pass, at most (more: refused with 413)."
+    ),
+]
 MaxDelay = Annotated[float, typer.Option(min=0, help="Longest wait for a batch to fill, in ms.")]
 CertFile = Annotated[str | None, typer.Option(help="TLS certificate (PEM).")]
 KeyFile = Annotated[str | None, typer.Option(help="TLS key (PEM).")]
@@ -49,6 +55,15 @@ def _token() -> str:
         fail_usage(str(exc))
 
 
+def _check_rows(max_batch_size: int, max_batch_rows: int) -> None:
+    """A batch the batcher fills may not outgrow the cap on one forward pass."""
+    if max_batch_size > max_batch_rows:
+        fail_usage(
+            f"--max-batch-size ({max_batch_size}) must not exceed "
+            f"--max-batch-rows ({max_batch_rows})"
+        )
+
+
 @serve_app.command(name=DEPLOY)
 def deploy(
     checkpoint: Annotated[Path, typer.Argument(help="Run folder or exported safetensors file.")],
@@ -59,6 +74,7 @@ def deploy(
     name: Name = None,
     max_batch_size: MaxBatch = 32,
     max_delay_ms: MaxDelay = 2.0,
+    max_batch_rows: MaxRows = 1024,
     log_dir: Annotated[Path | None, typer.Option(help="Replica logs; default: a temp dir.")] = None,
     ssl_certfile: CertFile = None,
     ssl_keyfile: KeyFile = None,
@@ -73,12 +89,15 @@ def deploy(
     from distml.serve.router_app import create_router_app, run_router
     from distml.serve.supervisor import ReplicaCommand, ReplicaSet
 
+    _check_rows(max_batch_size, max_batch_rows)
     token = _token()
     try:
         load_served_model(checkpoint, model, name)  # fail here, once, not in every replica
     except ConfigError as exc:
         fail_usage(str(exc))
-    command = ReplicaCommand(str(checkpoint), model, name, max_batch_size, max_delay_ms)
+    command = ReplicaCommand(
+        str(checkpoint), model, name, max_batch_size, max_delay_ms, max_batch_rows
+    )
     console = Console(stderr=True)
     with ReplicaSet(command, replicas, token, log_dir=log_dir) as replica_set:
         replica_set.wait_ready()
@@ -106,6 +125,7 @@ def replica(
     name: Name = None,
     max_batch_size: MaxBatch = 32,
     max_delay_ms: MaxDelay = 2.0,
+    max_batch_rows: MaxRows = 1024,
     max_body_mb: Annotated[float, typer.Option(help="Largest request body accepted.")] = 16.0,
     ssl_certfile: CertFile = None,
     ssl_keyfile: KeyFile = None,
@@ -122,6 +142,7 @@ def replica(
     from distml.serve.model import load_served_model
     from distml.serve.replica import create_replica_app
 
+    _check_rows(max_batch_size, max_batch_rows)
     token = _token()
     try:
         served = load_served_model(checkpoint, model, name)
@@ -133,6 +154,7 @@ def replica(
         max_batch_size=max_batch_size,
         max_delay_ms=max_delay_ms,
         max_body=int(max_body_mb * 2**20),
+        max_batch_rows=max_batch_rows,
     )
     serve(app, host, port, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
 

@@ -24,13 +24,15 @@ from distml.models.mlp import MLP
 @dataclass(frozen=True)
 class TensorSpec:
     """One tensor of a model's signature: -1 in ``shape`` is a free size (the first is the
-    batch); ``low``/``high`` bound integer inputs such as token ids (``high`` exclusive)."""
+    batch), at most ``longest`` where that names a bound for it; ``low``/``high`` bound integer
+    inputs such as token ids (``high`` exclusive)."""
 
     name: str
     datatype: str
     shape: tuple[int, ...]
     low: int | None = None
     high: int | None = None
+    longest: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,9 @@ def _gpt(config: dict[str, Any]) -> ModelSpec:
         "gpt",
         lambda: GPT(cfg),
         # Sequences of one request share a length; up to seq_len tokens each.
-        TensorSpec("input_ids", "INT64", (-1, -1), low=0, high=cfg.vocab_size),
+        TensorSpec(
+            "input_ids", "INT64", (-1, -1), low=0, high=cfg.vocab_size, longest=(None, cfg.seq_len)
+        ),
         TensorSpec("logits", "FP32", (-1, -1, cfg.vocab_size)),
     )
 

@@ -3,18 +3,37 @@
 back. Rows are independent in the served models, so a batch's rows equal one-by-one inference.
 
 A request that would overflow the batch, or whose rows have another shape, starts the next
-batch. The model runs in one worker thread, so the event loop keeps accepting requests (which
-queue up for the next batch) while a batch computes.
+batch. No forward pass ever takes more than ``max_rows`` rows: a request with more is refused
+before it is queued. The model runs in one worker thread, so the event loop keeps accepting
+requests (which queue up for the next batch) while a batch computes.
+
+The batching loop is a background loop of the service (:class:`~distml.net.BackgroundLoops`):
+a batch that fails fails its own requests, is logged, and the loop goes on with the next.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+
+from distml.net import BackgroundLoops
+
+MAX_BATCH_ROWS = 1024
+log = logging.getLogger("distml.serve")
+
+
+class InferenceFailed(Exception):
+    """The model raised on a request's rows, run on their own: the request is the cause."""
+
+
+class BatchFailed(RuntimeError):
+    """The batch a request was in failed for a cause other than its rows (a fault of the
+    service, not of the request)."""
 
 
 @dataclass
@@ -34,23 +53,43 @@ class DynamicBatcher:
         max_batch_size: int = 32,
         max_delay_s: float = 0.002,
         on_batch: Callable[[int], None] | None = None,
+        max_rows: int = MAX_BATCH_ROWS,
     ):
         if max_batch_size < 1 or max_delay_s < 0:
             raise ValueError("max_batch_size must be >= 1 and max_delay_s >= 0")
+        if max_rows < max_batch_size:
+            raise ValueError(
+                f"max_rows ({max_rows}) must be at least max_batch_size ({max_batch_size})"
+            )
         self.predict = predict
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_s
+        self.max_rows = max_rows
         self.on_batch = on_batch
         self._queue: asyncio.Queue[_Pending] | None = None
         self._task: asyncio.Task | None = None
+        self._own_loops: BackgroundLoops | None = None
         self._held: _Pending | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="batch")
 
+    def start(self, loops: BackgroundLoops) -> None:
+        """Run the batching loop as one of ``loops`` (a service's, so that its ``/healthz``
+        reports the loop if it ever stops); call it in the serving event loop."""
+        self._queue = asyncio.Queue()
+        self._task = loops.start("batcher", self.run_batch)
+
     async def infer(self, x: torch.Tensor) -> torch.Tensor:
-        if self._task is None:  # started in the serving loop, on first use
-            self._queue = asyncio.Queue()
-            self._task = asyncio.get_running_loop().create_task(self._run())
-        assert self._queue is not None
+        """The model's rows for ``x``; ``ValueError`` for more than ``max_rows`` rows,
+        :class:`InferenceFailed` when the model raises on them, :class:`BatchFailed` when
+        their batch failed otherwise."""
+        if x.shape[0] > self.max_rows:
+            raise ValueError(f"{x.shape[0]} rows, over the limit of {self.max_rows} per batch")
+        if self._task is None:  # used outside a service: the batcher runs its own loop
+            self._own_loops = BackgroundLoops()
+            self.start(self._own_loops)
+        assert self._queue is not None and self._task is not None
+        if self._task.done():
+            raise BatchFailed("the batching loop has stopped")
         done = asyncio.get_running_loop().create_future()
         await self._queue.put(_Pending(x, done))
         return await done
@@ -87,28 +126,53 @@ class DynamicBatcher:
             rows += n
         return batch
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            batch = await self._collect()
-            x = torch.cat([p.x for p in batch]) if len(batch) > 1 else batch[0].x
-            if self.on_batch is not None:
-                self.on_batch(x.shape[0])
-            try:
-                y = await loop.run_in_executor(self._executor, self.predict, x)
-            except Exception as exc:  # the failure belongs to the requests of this batch
-                for p in batch:
-                    if not p.done.done():
-                        p.done.set_exception(exc)
-                continue
-            start = 0
+    async def run_batch(self) -> None:
+        """Gather one batch and answer each of its requests. Whatever goes wrong fails the
+        requests of this batch only, and is raised for the loop to log."""
+        batch = await self._collect()
+        try:
+            await self._answer(batch)
+        except BaseException as exc:  # re-raised: the loop logs it, a cancel ends the loop
+            cause = BatchFailed(f"the batch failed: {type(exc).__name__}")
             for p in batch:
-                n = p.x.shape[0]
-                if not p.done.done():  # a client that went away cancelled its future
-                    p.done.set_result(y[start : start + n])
-                start += n
+                _fail(p, cause)
+            raise
+
+    async def _answer(self, batch: list[_Pending]) -> None:
+        x = torch.cat([p.x for p in batch]) if len(batch) > 1 else batch[0].x
+        if self.on_batch is not None:
+            self.on_batch(x.shape[0])
+        try:
+            y = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, x)
+        except Exception as exc:
+            if len(batch) > 1:  # find the request at fault: the others still get answers
+                for p in batch:
+                    await self._answer([p])
+                return
+            log.warning("the model failed on a request of %d rows: %r", x.shape[0], exc)
+            _fail(batch[0], InferenceFailed(f"the model failed on this input: {exc!r}"))
+            return
+        start = 0
+        for p in batch:
+            n = p.x.shape[0]
+            if not p.done.done():  # a client that went away cancelled its future
+                p.done.set_result(y[start : start + n])
+            start += n
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.predict(x)
+        if y.shape[:1] != x.shape[:1]:
+            raise RuntimeError(f"the model gave {y.shape[0]} rows for {x.shape[0]}")
+        return y
 
     async def close(self) -> None:
-        if self._task is not None:
+        if self._own_loops is not None:
+            await self._own_loops.stop()
+        elif self._task is not None:
             self._task.cancel()
         self._executor.shutdown(wait=False)
+
+
+def _fail(pending: _Pending, exc: Exception) -> None:
+    if not pending.done.done():
+        pending.done.set_exception(exc)

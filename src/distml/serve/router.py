@@ -1,9 +1,11 @@
 """The router's work: forward a request to the replica the policy picks, and when that replica
 fails it (connection refused or reset, 5xx) send it to another -- inference is idempotent, so a
-replica that dies mid-request costs a retry, not the request. A health loop probes each replica
-through its real inference path and takes failing ones out of rotation until they answer again
-(the supervisor restarts dead ones). ``drain()`` refuses new requests and waits for the ones in
-flight.
+replica that dies mid-request costs a retry, not the request. A 4xx is the client's fault: it is
+answered as it is, never sent to another replica, and takes no replica out of rotation.
+:meth:`Router.check_health` probes each replica through its real inference path and takes
+failing ones out of rotation until they answer again (the supervisor restarts dead ones); the
+router's app runs it as a background loop. ``drain()`` refuses new requests and waits for the
+ones in flight.
 
 The replicas are called with aiohttp: httpx's AsyncClient spent about 3 ms of CPU a request at
 16 concurrent requests here, aiohttp 0.3 ms (``benchmarks/serving.py``), and on a machine the
@@ -68,7 +70,6 @@ class Router:
         # aiohttp's ssl: True verifies against the system's CAs, False does not verify.
         self._ssl = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
         self._http: aiohttp.ClientSession | None = None
-        self._health: asyncio.Task | None = None
         self._idle: asyncio.Event | None = None
 
     def _client(self) -> aiohttp.ClientSession:
@@ -78,7 +79,6 @@ class Router:
                 timeout=aiohttp.ClientTimeout(total=self._timeout_s),
                 connector=aiohttp.TCPConnector(limit=256, ssl=self._ssl),
             )
-            self._health = asyncio.get_running_loop().create_task(self._health_loop())
             self._idle = asyncio.Event()
             self._idle.set()
         return self._http
@@ -151,10 +151,9 @@ class Router:
                 replica.in_flight -= 1
             tried.add(replica)
 
-    async def _probe(self, replica: ReplicaState) -> None:
-        assert self._http is not None
+    async def _probe(self, http: aiohttp.ClientSession, replica: ReplicaState) -> None:
         try:
-            async with self._http.get(
+            async with http.get(
                 replica.url + "/v2/health/ready", timeout=aiohttp.ClientTimeout(total=5.0)
             ) as response:
                 await response.read()
@@ -164,13 +163,24 @@ class Router:
         replica.healthy = ok
         replica.failures = 0 if ok else replica.failures + 1
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.gather(*(self._probe(r) for r in self.replicas))
-            await asyncio.sleep(self.health_interval_s)
+    async def check_health(self) -> None:
+        """Probe every replica once. A probe that fails in a way no replica outage explains
+        marks its replica unhealthy and is raised once all are done, for the loop to log."""
+        if self.draining:
+            return
+        http = self._client()
+        results = await asyncio.gather(
+            *(self._probe(http, r) for r in self.replicas), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for replica, result in zip(self.replicas, results, strict=True):
+            if isinstance(result, BaseException):
+                replica.healthy = False
+                replica.failures += 1
+        if errors:
+            raise errors[0]
 
     async def ready(self) -> bool:
-        self._client()
         return any(r.healthy for r in self.replicas)
 
     async def drain(self, timeout_s: float = 30.0) -> None:
@@ -181,7 +191,10 @@ class Router:
                 await asyncio.wait_for(self._idle.wait(), timeout_s)
             except TimeoutError:
                 pass  # the ones still running are cut off by the shutdown
-        if self._health is not None:
-            self._health.cancel()
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the connections to the replicas (after :meth:`drain`, or on shutdown)."""
+        self.draining = True
         if self._http is not None:
             await self._http.close()

@@ -10,21 +10,28 @@ ones in flight finish, then the server exits.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+from urllib.parse import quote
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Path, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import Counter, Gauge, Histogram
 from starlette.responses import Response
 
 from distml.net import create_app, read_body
+from distml.serve.protocol import infer_body
 from distml.serve.router import Draining, NoReplica, Router
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+ModelName = Annotated[str, Path(max_length=256)]
 
 
 def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) -> FastAPI:
+    """The router's app; its lifespan runs the replicas' health checks as a background loop
+    of ``app.state.loops`` (``/healthz`` answers 503 should that loop ever stop)."""
+
     async def health() -> dict[str, Any]:
         # The router is healthy when a replica answers a real inference through it.
         if not await router.ready():
@@ -32,6 +39,15 @@ def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) ->
         return {"replicas": {r.url: r.healthy for r in router.replicas}}
 
     app = create_app("distml router", token, health=health)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.loops.start("replica-health", router.check_health, router.health_interval_s)
+        yield
+        await app.state.loops.stop()
+        await router.close()
+
+    app.router.lifespan_context = lifespan
     registry = app.state.registry
     outcomes = Counter(
         "distml_router_requests", "Requests by outcome", ["outcome"], registry=registry
@@ -73,31 +89,31 @@ def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) ->
         outcomes.labels(kind).inc()
         return Response(result.content, result.status, media_type=result.content_type)
 
+    def model_path(name: str, tail: str = "") -> str:
+        # Quoted whole: a name holding "?", "#", "/" or a space stays one path segment.
+        return f"/v2/models/{quote(name, safe='')}{tail}"
+
     @app.get("/v2/health/live")
     async def live() -> dict[str, bool]:
         return {"live": not router.draining}
 
     @app.get("/v2/health/ready")
-    async def ready() -> Response:
+    async def ready(request: Request) -> Response:
         if router.draining or not await router.ready():
             raise HTTPException(503, "no replica is ready")
-        return await forward_get("/v2/health/ready")
-
-    async def forward_get(path: str) -> Response:
-        result = await router.forward("GET", path)
-        return Response(result.content, result.status, media_type=result.content_type)
+        return await forward(request, "/v2/health/ready")
 
     @app.get("/v2/models/{name}")
-    async def metadata(name: str, request: Request) -> Response:
-        return await forward(request, f"/v2/models/{name}")
+    async def metadata(name: ModelName, request: Request) -> Response:
+        return await forward(request, model_path(name))
 
     @app.get("/v2/models/{name}/ready")
-    async def model_ready(name: str, request: Request) -> Response:
-        return await forward(request, f"/v2/models/{name}/ready")
+    async def model_ready(name: ModelName, request: Request) -> Response:
+        return await forward(request, model_path(name, "/ready"))
 
-    @app.post("/v2/models/{name}/infer")
-    async def infer(name: str, request: Request) -> Response:
-        return await forward(request, f"/v2/models/{name}/infer")
+    @app.post("/v2/models/{name}/infer", openapi_extra=infer_body(max_body))
+    async def infer(name: ModelName, request: Request) -> Response:
+        return await forward(request, model_path(name, "/infer"))
 
     return app
 

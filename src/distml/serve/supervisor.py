@@ -21,6 +21,7 @@ import httpx
 from distml.launch.children import ChildProcess, stop_all
 from distml.net import TOKEN_ENV
 from distml.net.ports import free_port
+from distml.serve.batching import MAX_BATCH_ROWS
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,14 @@ class ReplicaCommand:
     name: str | None = None
     max_batch_size: int = 32
     max_delay_ms: float = 2.0
+    max_batch_rows: int = MAX_BATCH_ROWS
 
     def argv(self, port: int) -> list[str]:
         argv = [sys.executable, "-m", "distml.cli.serve", "replica", str(self.checkpoint)]
         argv += ["--host", "127.0.0.1", "--port", str(port)]
         argv += ["--max-batch-size", str(self.max_batch_size)]
         argv += ["--max-delay-ms", str(self.max_delay_ms)]
+        argv += ["--max-batch-rows", str(self.max_batch_rows)]
         if self.model:
             argv += ["--model", self.model]
         if self.name:

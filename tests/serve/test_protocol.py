@@ -1,0 +1,241 @@
+"""The Open Inference Protocol decoder, by properties: a well-formed request decodes to exactly
+the tensor it describes; anything else -- wrong shapes, datatypes, data lengths, nesting, huge
+or non-finite numbers, strings, arbitrary JSON or bytes -- raises ``ProtocolError`` with a 4xx
+status, never another exception."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from distml.models.registry import TensorSpec
+from distml.serve.protocol import DTYPES, ProtocolError, decode_request, request_schema
+
+MAX_ROWS = 16
+COLS = 3
+PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def spec_of(datatype: str) -> TensorSpec:
+    return TensorSpec("x", datatype, (-1, COLS))
+
+
+def values_of(datatype: str) -> st.SearchStrategy:
+    """Values that lie within ``datatype``."""
+    dtype = DTYPES[datatype]
+    if datatype == "BOOL":
+        return st.booleans()
+    if dtype.is_floating_point:
+        top = torch.finfo(dtype).max
+        return st.floats(-top, top, allow_nan=False) | st.integers(-1000, 1000)
+    info = torch.iinfo(dtype)
+    return st.integers(info.min, info.max)
+
+
+@st.composite
+def valid_requests(draw) -> tuple[str, list[list], bool]:
+    datatype = draw(st.sampled_from(sorted(DTYPES)))
+    rows = draw(st.integers(1, MAX_ROWS))
+    values = draw(
+        st.lists(
+            st.lists(values_of(datatype), min_size=COLS, max_size=COLS),
+            min_size=rows,
+            max_size=rows,
+        )
+    )
+    return datatype, values, draw(st.booleans())
+
+
+def encode(datatype: str, shape: list, data: object, **extra: object) -> bytes:
+    item = {"name": "x", "shape": shape, "datatype": datatype, "data": data}
+    return json.dumps({"inputs": [{**item, **extra}]}, allow_nan=True).encode()
+
+
+def decode(body: bytes | str, datatype: str = "FP32") -> torch.Tensor:
+    return decode_request(body, spec_of(datatype), MAX_ROWS)[1]
+
+
+def assert_refused(body: bytes | str, datatype: str = "FP32") -> ProtocolError:
+    with pytest.raises(ProtocolError) as caught:
+        decode(body, datatype)
+    assert 400 <= caught.value.status < 500
+    return caught.value
+
+
+@PROPERTY
+@given(valid_requests())
+def test_a_valid_request_decodes_to_its_tensor(case):
+    datatype, rows, nested = case
+    data = rows if nested else [v for row in rows for v in row]
+    tensor = decode(encode(datatype, [len(rows), COLS], data), datatype)
+    expected = torch.tensor(rows, dtype=DTYPES[datatype])
+    assert tensor.dtype == expected.dtype and tensor.shape == expected.shape
+    assert torch.equal(tensor, expected)
+
+
+@PROPERTY
+@given(
+    datatype=st.sampled_from(sorted(DTYPES)),
+    shape=st.lists(st.integers(0, 2**40), min_size=1, max_size=10),
+    length=st.integers(0, 64),
+)
+def test_a_shape_or_length_that_does_not_fit_is_refused(datatype, shape, length):
+    fits = len(shape) == 2 and shape[1] == COLS and 1 <= shape[0] <= MAX_ROWS
+    if fits and length == math.prod(shape):
+        length += 1
+    value = True if datatype == "BOOL" else 0
+    assert_refused(encode(datatype, shape, [value] * length), datatype)
+
+
+@PROPERTY
+@given(
+    datatype=st.sampled_from([d for d in sorted(DTYPES) if d != "BOOL"]),
+    digits=st.integers(20, 500),
+    negative=st.booleans(),
+)
+def test_an_integer_beyond_the_datatype_is_refused(datatype, digits, negative):
+    huge = int("9" * digits) * (-1 if negative else 1)
+    dtype = DTYPES[datatype]
+    limit = torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max
+    if abs(huge) <= limit:  # a 20-digit integer is an FP32 value
+        assert decode(encode(datatype, [1, COLS], [huge, 0, 0]), datatype)[0, 0] == float(huge)
+    else:
+        assert_refused(encode(datatype, [1, COLS], [huge, 0, 0]), datatype)
+
+
+@PROPERTY
+@given(
+    datatype=st.sampled_from(["FP16", "FP32"]),
+    scale=st.floats(1.0001, 1e300, allow_nan=False, allow_infinity=False),
+)
+def test_a_float_beyond_the_datatype_is_refused(datatype, scale):
+    """1e39 is finite for Python but no FP32 value: it would reach the model as infinity."""
+    beyond = torch.finfo(DTYPES[datatype]).max * scale
+    error = assert_refused(encode(datatype, [1, COLS], [0.5, beyond, 0.5]), datatype)
+    assert "range" in str(error) or "non-finite" in str(error)
+
+
+@pytest.mark.parametrize("token", ["NaN", "Infinity", "-Infinity", "1e999", "9" * 401])
+@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
+def test_non_finite_and_overflowing_numbers_are_refused(token, datatype):
+    body = (
+        f'{{"inputs":[{{"name":"x","shape":[1,3],"datatype":"{datatype}","data":[1,{token},2]}}]}}'  # noqa: E501
+    )
+    assert_refused(body, datatype)
+
+
+def test_values_that_torch_would_wrap_or_truncate_are_refused():
+    assert_refused(encode("UINT8", [1, COLS], [-1, 0, 0]), "UINT8")
+    assert_refused(encode("INT8", [1, COLS], [128, 0, 0]), "INT8")
+    assert_refused(encode("INT64", [1, COLS], [2**63, 0, 0]), "INT64")
+    assert_refused(encode("INT32", [1, COLS], [1.5, 0, 0]), "INT32")
+    assert_refused(encode("FP32", [1, COLS], [True, 0, 0]), "FP32")
+
+
+def test_rows_over_the_cap_are_refused_naming_it():
+    body = encode("FP32", [MAX_ROWS + 1, COLS], [0.0] * (MAX_ROWS + 1) * COLS)
+    error = assert_refused(body)
+    assert error.status == 413 and f"limit of {MAX_ROWS} rows" in str(error)
+    assert decode(encode("FP32", [MAX_ROWS, COLS], [0.0] * MAX_ROWS * COLS)).shape[0] == MAX_ROWS
+
+
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**500), 10**500)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+)
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=6), inner),
+    max_leaves=40,
+)
+
+
+NUMBERS = st.floats(-10, 10) | st.integers(-10, 10)
+SMALL_JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3), max_leaves=6)
+
+
+def mostly(draw, right: object, *wrong: st.SearchStrategy) -> object:
+    """``right`` two times in three, otherwise a draw from one of ``wrong``."""
+    if draw(st.integers(0, 2)) < 2:
+        return right
+    return draw(st.one_of(*wrong))
+
+
+@st.composite
+def malformed_requests(draw) -> bytes:
+    """Requests that are nearly right: each field well-formed, slightly off, or anything."""
+    rows = draw(st.integers(0, MAX_ROWS + 1))
+    shape = mostly(
+        draw,
+        [rows, COLS],
+        st.lists(st.integers(-2, 20), max_size=4),
+        st.lists(st.integers(0, 2**70), max_size=2),
+        SMALL_JSON,
+    )
+    values = draw(st.lists(NUMBERS, min_size=rows * COLS, max_size=rows * COLS))
+    if draw(st.booleans()):
+        values = [values[i : i + COLS] for i in range(0, len(values), COLS)]
+    data = mostly(draw, values, st.lists(SCALARS | NUMBERS, max_size=3 * COLS), SMALL_JSON)
+    item = {
+        "name": mostly(draw, "x", st.sampled_from(["y", ""]), SMALL_JSON),
+        "shape": shape,
+        "datatype": mostly(draw, "FP32", st.sampled_from(["FP64", "INT64", "FP8"]), SMALL_JSON),
+        "data": data,
+    }
+    if draw(st.integers(0, 4)) == 0:
+        del item[draw(st.sampled_from(sorted(item)))]
+    body = mostly(draw, {"inputs": [item]}, st.just({"inputs": item}), st.just([item]))
+    if isinstance(body, dict) and draw(st.integers(0, 4)) == 0:
+        body[draw(st.sampled_from(["id", "parameters", "outputs", "evil"]))] = draw(SMALL_JSON)
+    return json.dumps(body, allow_nan=True).encode()
+
+
+def check_decoded_or_refused(body: bytes | str) -> None:
+    """The one contract of the decoder: a tensor that fits the model, or a 4xx."""
+    try:
+        tensor = decode(body)
+    except ProtocolError as exc:
+        event(f"refused with {exc.status}")
+        assert 400 <= exc.status < 500
+        return
+    event("decoded")
+    assert tensor.dtype == torch.float32 and tensor.ndim == 2 and tensor.shape[1] == COLS
+    assert 1 <= tensor.shape[0] <= MAX_ROWS and bool(torch.isfinite(tensor).all())
+
+
+@FUZZ
+@given(malformed_requests())
+def test_a_malformed_request_decodes_right_or_is_refused(body):
+    check_decoded_or_refused(body)
+
+
+@FUZZ
+@given(st.binary(max_size=200) | JSON.map(lambda v: json.dumps(v, allow_nan=True)))
+def test_any_bytes_or_json_decode_right_or_are_refused(body):
+    check_decoded_or_refused(body)
+
+
+@pytest.mark.parametrize("depth", [9, 100, 10_000, 200_000])
+def test_deep_nesting_is_refused(depth):
+    data = "[" * depth + "1" + "]" * depth
+    assert_refused(f'{{"inputs":[{{"name":"x","shape":[1,1],"datatype":"FP32","data":{data}}}]}}')
+    assert_refused(
+        f'{{"inputs":[{{"name":"x","shape":[1,1],"datatype":"FP32","data":[1],"parameters":{{"a":{data}}}}}]}}'
+    )  # noqa: E501
+
+
+def test_the_declared_schema_is_self_contained():
+    """The OpenAPI document's request body refers to nothing outside itself."""
+    schema = request_schema()
+    assert "$ref" not in json.dumps(schema) and "$defs" not in schema
+    item = schema["properties"]["inputs"]["items"]
+    assert {"name", "shape", "datatype", "data"} <= set(item["required"])
