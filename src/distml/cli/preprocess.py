@@ -4,7 +4,7 @@
     distml preprocess 'images/**/*.png' --transform prep:resize --out data/ --workers 0 \\
         --host 0.0.0.0 --port 7500                         # the coordinator only
     DISTML_TOKEN=... distml preprocess worker --coordinator http://10.0.0.5:7500 \\
-        --transform prep:resize                            # on each other host
+        --transform prep:resize --out data/                # on each other host
 """
 
 from __future__ import annotations
@@ -163,23 +163,36 @@ def run(
 def worker(
     coordinator: Annotated[str, typer.Option(help="The coordinator's URL.")],
     transform: Transform,
+    out: Annotated[
+        Path,
+        typer.Option(help="The job's output folder, shared with the coordinator."),
+    ],
     worker_id: Annotated[
         str | None, typer.Option(help="Default: the host name; the process ID is appended.")
     ] = None,
     ca_cert: Annotated[str | None, typer.Option(help="CA bundle for https.")] = None,
 ) -> None:
-    """Work for a coordinator until its job is done (token from DISTML_TOKEN)."""
+    """Work for a coordinator until its job is done (token from DISTML_TOKEN). The worker
+    writes only in OUT and reads only the input named by the job recorded there."""
+    from distml.data.preprocess.scope import RefusedAnswer
     from distml.data.preprocess.worker import JobFailed, run_worker
     from distml.net import ServiceError, token_from_env
 
     try:
         kept = run_worker(
-            coordinator, token_from_env(), transform, worker_id=worker_id, verify=ca_cert or True
+            coordinator,
+            token_from_env(),
+            transform,
+            out,
+            worker_id=worker_id,
+            verify=ca_cert or True,
         )
     except ValueError as exc:
         fail_usage(str(exc))
     except JobFailed as exc:
         report_failure("the job failed", exc)
+    except RefusedAnswer as exc:
+        report_failure("the coordinator's answer is refused", exc)
     except ServiceError as exc:
         report_failure("worker stopped", exc)
     typer.echo(f"kept {kept} shard(s)", err=True)

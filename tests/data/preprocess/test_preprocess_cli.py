@@ -141,12 +141,15 @@ def test_the_coordinator_authenticates_and_validates(csv, tmp_path):
         assert coordinator.queue.error is None
 
 
-def _remote_worker(url: str, delay_s: float) -> subprocess.Popen:
+def _remote_worker(url: str, out: Path, delay_s: float) -> subprocess.Popen:
     """``distml preprocess worker``, as on another machine: a process of its own, over HTTP."""
     env = {**os.environ, TOKEN_ENV: TOKEN, "PP_DELAY_S": str(delay_s), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "distml", "preprocess", "worker", "--coordinator", url]
     return subprocess.Popen(
-        [*argv, "--transform", FAULTY], env=env, stderr=subprocess.PIPE, text=True
+        [*argv, "--transform", FAULTY, "--out", str(out)],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -178,7 +181,7 @@ def test_a_remote_worker_busy_when_the_job_ends_is_told_to_stop(csv, tmp_path, m
     retrying for a minute against a closed port and exiting 1."""
     monkeypatch.delenv("PP_DELAY_S", raising=False)  # the fast worker, in this process
     job, thread = _remote_job(csv, tmp_path, lease_s=10)
-    slow = _remote_worker(job["url"], delay_s=4)
+    slow = _remote_worker(job["url"], tmp_path / "out", delay_s=4)
     try:
         auth = {"Authorization": f"Bearer {TOKEN}"}
         wait_for(
@@ -186,7 +189,7 @@ def test_a_remote_worker_busy_when_the_job_ends_is_told_to_stop(csv, tmp_path, m
             60,
             "the slow worker's first shard",
         )
-        run_worker(job["url"], TOKEN, FAULTY, worker_id="fast")
+        run_worker(job["url"], TOKEN, FAULTY, tmp_path / "out", worker_id="fast")
         thread.join(30)
         assert "result" in job, "the job did not end"
         _, stderr = slow.communicate(timeout=15)  # well under the minute of retries
@@ -201,7 +204,7 @@ def test_a_remote_worker_busy_when_the_job_ends_is_told_to_stop(csv, tmp_path, m
 def test_a_remote_worker_stopped_by_a_failed_job_exits_1_with_its_error(csv, tmp_path, monkeypatch):
     monkeypatch.setenv("PP_ALWAYS_FAIL_AT", "0")  # the first shard's first row is corrupt
     job, thread = _remote_job(csv, tmp_path, max_attempts=2)
-    worker = _remote_worker(job["url"], delay_s=0)
+    worker = _remote_worker(job["url"], tmp_path / "out", delay_s=0)
     try:
         _, stderr = worker.communicate(timeout=60)
     finally:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -127,7 +125,7 @@ def test_the_coordinator_counts_and_deletes_a_late_copy(tmp_path):
 
     def run(worker: str, value: int) -> str:
         work = coordinator.claim(worker)
-        pq.write_table(pa.table({"x": [value]}), work["output"])
+        pq.write_table(pa.table({"x": [value]}), output.tmp_path(work["attempt"]))
         return work["attempt"]
 
     slow = coordinator.claim("slow")
@@ -138,12 +136,13 @@ def test_the_coordinator_counts_and_deletes_a_late_copy(tmp_path):
     q.heartbeat("slow")
     backup = run("fast", 1)
     assert q.running[backup].shard == slow["shard"]["id"]
-    pq.write_table(pa.table({"x": [2]}), slow["output"])
+    slow_file = output.tmp_path(slow["attempt"])
+    pq.write_table(pa.table({"x": [2]}), slow_file)
     assert coordinator.complete("fast", backup) and q.finished
     assert not coordinator.complete("intruder", slow["attempt"])
-    assert Path(slow["output"]).exists() and q.stats.discarded == 0
+    assert slow_file.exists() and q.stats.discarded == 0
     assert not coordinator.complete("slow", slow["attempt"])
-    assert not Path(slow["output"]).exists() and q.stats.discarded == 1
+    assert not slow_file.exists() and q.stats.discarded == 1
     part = pq.read_table(tmp_path / "out" / f"part-{slow['shard']['id']:05d}.parquet")
     assert part["x"].to_pylist() == [1]  # the winner's output, not the late copy's
 
@@ -169,7 +168,7 @@ def test_a_worker_waiting_for_work_hears_stop_when_the_last_shard_is_in(tmp_path
     waiter.start()
     time.sleep(0.3)
     assert not answers  # still waiting: nothing to hand out, the job not over
-    pq.write_table(pa.table({"x": [0]}), work["output"])
+    pq.write_table(pa.table({"x": [0]}), output.tmp_path(work["attempt"]))
     assert coordinator.complete("busy", work["attempt"])
     committed = time.monotonic()
     waiter.join(5)

@@ -1,13 +1,19 @@
 """The coordinator: the one process that knows the plan. It hands shards to workers over the
 shared web stack (bearer token, validated JSON bodies) and commits their output.
 
-Routes (all POST bodies are JSON, all need the token):
-  GET  /v1/job        the transform every worker must run, and the lease length
-  POST /v1/claim      {"worker"} -> work (a shard and the file to write) | wait | stop
+Routes (all POST bodies are JSON, declared by the models of :mod:`.protocol`; all need the token):
+  GET  /v1/job        the transform every worker must run, the job's fingerprint, the lease length
+  POST /v1/claim      {"worker"} -> work (an attempt ID and its shard) | wait | stop
   POST /v1/heartbeat  {"worker"}: renews the worker's leases
-  POST /v1/complete   {"worker", "attempt"} -> {"kept": true|false}
+  POST /v1/complete   {"worker", "attempt"} -> {"kept": true|false}; 409 while the attempt's
+                      file is not a Parquet file of the job's schema (the attempt stays the
+                      worker's, to write again or report failed; its lease runs out otherwise)
   POST /v1/fail       {"worker", "attempt", "error"}
   GET  /healthz, /metrics
+
+A worker names its file itself, in the output folder's ``.tmp/``, from the attempt's ID. Leases
+run out in a background loop of the service (``app.state.loops``), so a dead worker's shard goes
+back even while no one calls.
 
 After the last shard it keeps answering (:meth:`Coordinator.drain`) until every worker it has
 seen is told to stop, so that a worker on another machine exits as done, not as cut off.
@@ -15,37 +21,20 @@ seen is told to stop, so that a worker on another machine exits as done, not as 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from typing import Annotated, Any
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 from prometheus_client import Counter, Gauge
-from pydantic import BaseModel, ConfigDict, Field
 
 from distml.data.preprocess.output import OutputDir, OutputError
+from distml.data.preprocess.protocol import MAX_ERROR, AttemptBody, FailBody, WorkerBody
 from distml.data.preprocess.queue import ShardQueue
 from distml.net import create_app
-
-WorkerId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\w.:@-]+$")]
-AttemptId = Annotated[str, Field(pattern=r"^\d+\.\d+$", max_length=40)]
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class WorkerBody(_Body):
-    worker: WorkerId
-
-
-class AttemptBody(_Body):
-    worker: WorkerId
-    attempt: AttemptId
-
-
-class FailBody(AttemptBody):
-    error: Annotated[str, Field(max_length=4000)]
 
 
 class Coordinator:
@@ -58,7 +47,7 @@ class Coordinator:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.started = time.monotonic()
-        self.workers: dict[str, float] = {}  # every worker seen -> when it last called
+        self.workers: dict[str, float] = {}  # workers heard from lately -> when they last called
         self.stopped: set[str] = set()  # the workers answered "stop"
 
     def claim(self, worker: str, wait_s: float = 0.0) -> dict[str, Any]:
@@ -75,18 +64,17 @@ class Coordinator:
                 if self.queue.error is not None or self.queue.finished:
                     self.stopped.add(worker)
                     self.changed.notify_all()
-                    return {"action": "stop", "error": self.queue.error}
+                    error = self.queue.error
+                    return {"action": "stop", "error": error and error[-MAX_ERROR:]}
                 if now >= deadline:
                     return {"action": "wait", "seconds": 0.0}
                 # Woken by a completion or a failure; and every 0.1 s, since time alone makes a
                 # lease run out or a slow shard worth a backup copy.
                 self.changed.wait(min(deadline - now, 0.1))
-            shard = self.queue.shards[attempt.shard]
             return {
                 "action": "work",
                 "attempt": attempt.id,
-                "shard": shard,
-                "output": str(self.output.tmp_path(attempt.id)),
+                "shard": self.queue.shards[attempt.shard],
             }
 
     def heartbeat(self, worker: str) -> None:
@@ -95,20 +83,27 @@ class Coordinator:
             self.queue.heartbeat(worker)
 
     def complete(self, worker: str, attempt_id: str) -> bool:
+        """Whether ``worker``'s attempt is its shard's output (True: committed). A report that is
+        not the worker's to make, or that of a copy which lost, keeps nothing; a file that is not
+        a Parquet file of the job's schema is refused with :class:`OutputError`, and then
+        nothing has changed."""
         with self.changed:
             attempt = self.queue.attempt(attempt_id)
             if attempt is None or attempt.worker != worker:
                 return False  # not this worker's attempt: nothing to keep, nothing to delete
-            if not self.queue.complete(attempt_id):
-                self.output.discard(attempt_id)  # a copy that lost, or a lease that ran out
+            if attempt_id not in self.queue.running:
+                self.queue.complete(attempt_id)  # a copy that lost, or a lease that ran out
+                self.output.discard(attempt_id)
                 return False
-            try:
-                self.output.commit(
-                    attempt.shard, attempt_id, self.queue.done[attempt.shard], worker
-                )
-            except OutputError as exc:
-                self.queue.error = str(exc)  # the transform's fault: retrying will not help
+            checked = self.output.check(attempt.shard, attempt_id, worker)
+            self.queue.complete(attempt_id)
             self.changed.notify_all()
+            seconds = self.queue.done[attempt.shard]
+            try:
+                self.output.commit(attempt.shard, attempt_id, seconds, worker, checked)
+            except (OSError, OutputError) as exc:  # the coordinator's disk: retrying cannot help
+                self.queue.error = f"shard {attempt.shard} could not be committed: {exc}"
+                return False
             return True
 
     def fail(self, worker: str, attempt_id: str, error: str) -> None:
@@ -119,15 +114,30 @@ class Coordinator:
                 self.output.discard(attempt_id)
             self.changed.notify_all()
 
-    def wait(self, timeout: float) -> bool:
-        """Block until the job is finished or failed (True), or ``timeout`` passes (False);
-        expires the leases of dead workers meanwhile."""
+    def expire(self) -> None:
+        """Put back the shards of leases that ran out (their workers died or hung), and wake the
+        claims waiting for work."""
         with self.changed:
+            lost = self.queue.stats.lost_leases
             self.queue.expire()
+            if self.queue.stats.lost_leases != lost:
+                self.changed.notify_all()
+            self._forget_silent_workers()
+
+    def _forget_silent_workers(self) -> None:
+        """Forget workers silent for two leases: the table holds the workers alive, not every
+        name a caller ever made up."""
+        cutoff = time.monotonic() - 2 * self.queue.lease_s
+        for worker in [w for w, t in self.workers.items() if t < cutoff]:
+            del self.workers[worker]
+            self.stopped.discard(worker)
+
+    def wait(self, timeout: float) -> bool:
+        """Block until the job is finished or failed (True), or ``timeout`` passes (False)."""
+        with self.changed:
             if self.queue.finished or self.queue.error is not None:
                 return True
             self.changed.wait(timeout)
-            self.queue.expire()
             return self.queue.finished or self.queue.error is not None
 
     def drain(self, gone: set[str]) -> None:
@@ -159,7 +169,20 @@ class Coordinator:
 
 
 def create_coordinator_app(coordinator: Coordinator, token: str) -> FastAPI:
+    """The coordinator's service. While it is served, a background loop puts back the shards
+    of leases that ran out, ten times a lease (at least once a second)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        every_s = min(1.0, coordinator.queue.lease_s / 10)
+        app.state.loops.start(
+            "lease expiry", lambda: asyncio.to_thread(coordinator.expire), every_s
+        )
+        yield
+        await app.state.loops.stop()
+
     app = create_app("distml preprocess coordinator", token, health=coordinator.progress)
+    app.router.lifespan_context = lifespan
     registry = app.state.registry
     shards_done = Gauge("distml_preprocess_shards_done", "shards committed", registry=registry)
     attempts = Counter("distml_preprocess_attempts", "attempts handed out", registry=registry)
@@ -187,9 +210,12 @@ def create_coordinator_app(coordinator: Coordinator, token: str) -> FastAPI:
         coordinator.heartbeat(body.worker)
         return {"ok": True}
 
-    @app.post("/v1/complete")
+    @app.post("/v1/complete", responses={409: {"description": "the attempt's file is refused"}})
     def complete(body: AttemptBody) -> dict[str, Any]:
-        return {"kept": coordinator.complete(body.worker, body.attempt)}
+        try:
+            return {"kept": coordinator.complete(body.worker, body.attempt)}
+        except OutputError as exc:
+            raise HTTPException(409, str(exc)) from None
 
     @app.post("/v1/fail")
     def fail(body: FailBody) -> dict[str, Any]:

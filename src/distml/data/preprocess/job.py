@@ -27,7 +27,7 @@ from typing import Any
 from distml.data.preprocess.coordinator import Coordinator, create_coordinator_app
 from distml.data.preprocess.output import TMP, OutputDir
 from distml.data.preprocess.queue import ShardQueue
-from distml.data.preprocess.sources import Source, SqlSource, plan
+from distml.data.preprocess.sources import SQL_PASSWORD_ENV, Source, SqlSource, plan
 from distml.data.preprocess.worker import worker_name
 from distml.launch.children import ChildProcess, stop_all
 from distml.net import TOKEN_ENV, BackgroundServer
@@ -93,7 +93,9 @@ def preprocess(
         with BackgroundServer(create_coordinator_app(coordinator, token), port, host) as server:
             if on_started is not None:
                 on_started(server.url)
-            pool = LocalWorkers(workers, server.url, token, transform, output.path / TMP)
+            pool = LocalWorkers(
+                workers, server.url, token, transform, output.path, _worker_secrets(source)
+            )
             try:
                 restarts = pool.supervise(coordinator, max_restarts=max_attempts * max(workers, 1))
             finally:
@@ -109,18 +111,29 @@ def preprocess(
     return PreprocessResult(manifest, time.monotonic() - started, skipped, restarts)
 
 
+def _worker_secrets(source: Source) -> dict[str, str]:
+    """What local workers need in their environment besides the token: the database password
+    the coordinator was given (shards name their database without it)."""
+    password = source.password() if isinstance(source, SqlSource) else None
+    return {SQL_PASSWORD_ENV: password} if password else {}
+
+
 class LocalWorkers:
     """Worker processes on this machine, each with its share of the cores. They die with this
     process (Linux), so a coordinator killed outright leaves none behind."""
 
-    def __init__(self, n: int, url: str, token: str, transform: str, log_dir: Path):
+    def __init__(
+        self, n: int, url: str, token: str, transform: str, out: Path, extra_env: dict[str, str]
+    ):
         self.argv = [
             sys.executable, "-m", "distml.data.preprocess.worker",
-            "--coordinator", url, "--transform", transform,
+            "--coordinator", url, "--transform", transform, "--out", str(out),
         ]  # fmt: skip
+        log_dir = out / TMP
         threads = str(max(1, (os.cpu_count() or 1) // max(n, 1)))
         self.env = {
             **os.environ,
+            **extra_env,
             TOKEN_ENV: token,
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
         }

@@ -17,9 +17,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 JOB, DONE, MANIFEST, TMP = "_job.json", "_done.jsonl", "_manifest.json", ".tmp"
@@ -72,24 +74,43 @@ class OutputDir:
     def tmp_path(self, attempt: str) -> Path:
         return self.path / TMP / f"attempt-{attempt}.parquet"
 
-    def commit(self, shard: int, attempt: str, seconds: float, worker: str) -> dict[str, Any]:
-        """Move an attempt's file to its part name and record it; returns the record."""
+    def check(self, shard: int, attempt: str, worker: str) -> tuple[pq.FileMetaData, pa.Schema]:
+        """The metadata and schema of an attempt's file, once it is known to be a Parquet file of
+        its own (not a link) with the schema of the parts already there; ``OutputError``
+        otherwise. Nothing changes either way: a refused file is left for its worker to replace
+        or report as failed."""
         tmp = self.tmp_path(attempt)
         try:
+            if not stat.S_ISREG(os.lstat(tmp).st_mode):
+                raise OutputError("not a regular file")
             meta = pq.read_metadata(tmp)
             schema = pq.read_schema(tmp)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, pa.ArrowException, OutputError) as exc:
             raise OutputError(
                 f"shard {shard}: {worker} left no readable Parquet file ({exc})"
             ) from None
-        if self.schema is None:
-            self.schema = schema
-        elif not schema.equals(self.schema):
+        if self.schema is not None and not schema.equals(self.schema):
             raise OutputError(
                 f"shard {shard}'s output has columns {schema.names} ({_types(schema)}), "
                 f"the earlier shards' {self.schema.names} ({_types(self.schema)}): "
                 "the transform must return one schema"
             )
+        return meta, schema
+
+    def commit(
+        self,
+        shard: int,
+        attempt: str,
+        seconds: float,
+        worker: str,
+        checked: tuple[pq.FileMetaData, pa.Schema],
+    ) -> dict[str, Any]:
+        """Move an attempt's file, which :meth:`check` passed (``checked`` is its answer), to
+        its part name and record it; returns the record."""
+        meta, schema = checked
+        tmp = self.tmp_path(attempt)
+        if self.schema is None:
+            self.schema = schema
         part = self.path / part_name(shard)
         os.replace(tmp, part)
         record = {

@@ -5,7 +5,8 @@ a worker *reads* one shard into a :class:`pyarrow.Table` on its own machine. Not
 description travels, so a worker needs the input at the same path (or URL) as the coordinator.
 
 - files: a folder or a glob; each shard is ``files_per_shard`` paths, handed to the transform as
-  a one-column table ``path`` (the transform opens them).
+  a one-column table ``path`` (the transform opens them). A link that leads out of the folder
+  (or out of the glob's fixed part) is refused: a worker reads only inside the input.
 - CSV: byte ranges cut at line ends (the way Dask's ``read_csv`` cuts blocks), each read with the
   header and the column types of the first block, so every shard has the same schema. A quoted
   field holding a newline can be cut in two: such files need ``blocksize`` large enough to hold
@@ -65,10 +66,37 @@ class SqlSource(_Source):
     rows_per_shard: Annotated[int, Field(ge=1)] = 100_000
 
     def safe_url(self) -> str:
-        """The URL without its password, for messages and the job's record."""
+        """The URL without its password: what messages, the job's record and the shards handed
+        to workers say. A worker connects with the password of its own environment."""
+        return without_password(self.url)
+
+    def password(self) -> str | None:
         from sqlalchemy.engine import make_url
 
-        return make_url(self.url).render_as_string(hide_password=True)
+        return make_url(self.url).password
+
+
+SQL_PASSWORD_ENV = "DISTML_SQL_PASSWORD"
+
+
+def without_password(url: str) -> str:
+    """A SQLAlchemy URL with no password in it (not even a mask), as text."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    return parsed._replace(password=None).render_as_string(hide_password=False)
+
+
+def connect_url(url: str):
+    """The URL to connect with: ``url``, with the password of ``DISTML_SQL_PASSWORD`` when it
+    names none and the variable is set (drivers' own variables, as ``PGPASSWORD``, work too)."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    password = os.environ.get(SQL_PASSWORD_ENV)
+    if parsed.password is None and password:
+        parsed = parsed.set(password=password)
+    return parsed
 
 
 Source = Annotated[FilesSource | CsvSource | ParquetSource | SqlSource, Field(discriminator="kind")]
@@ -101,12 +129,40 @@ def _describe(source: Source) -> str:
 # -- files ---------------------------------------------------------------------------------------
 
 
+def files_root(pattern: str) -> Path:
+    """The folder every file of ``pattern`` lies in, resolved: the pattern itself when it is a
+    folder, else its part before the first wildcard."""
+    path = Path(pattern)
+    if not path.is_dir():
+        fixed = _until_magic(path.parts)
+        path = Path(*fixed) if fixed else Path(".")
+    return path.resolve()
+
+
+def _until_magic(parts: tuple[str, ...]) -> list[str]:
+    fixed = []
+    for part in parts[:-1]:
+        if glob.has_magic(part):
+            break
+        fixed.append(part)
+    return fixed
+
+
+def inside(path: Path, root: Path) -> bool:
+    """Whether ``path``, once its links and ``..`` are resolved, lies in the resolved ``root``."""
+    return path.resolve().is_relative_to(root)
+
+
 def _plan_files(source: FilesSource) -> list[Shard]:
     root = Path(source.pattern)
     if root.is_dir():
         paths = sorted(str(p) for p in root.rglob("*") if p.is_file())
     else:
         paths = sorted(p for p in glob.glob(source.pattern, recursive=True) if os.path.isfile(p))
+    top = files_root(source.pattern)
+    for path in paths:
+        if not inside(Path(path), top):
+            raise SourceError(f"{path} links outside the input folder {top}: copy it in instead")
     n = source.files_per_shard
     return [{"kind": "files", "paths": paths[i : i + n]} for i in range(0, len(paths), n)]
 
@@ -184,7 +240,7 @@ def _sql_table(url: str, table: str, key: str):
     """The engine and the reflected table, refusing names the database does not have."""
     import sqlalchemy as sa
 
-    engine = sa.create_engine(url)
+    engine = sa.create_engine(connect_url(url))
     meta = sa.MetaData()
     try:
         t = sa.Table(table, meta, autoload_with=engine)
@@ -203,7 +259,7 @@ def _plan_sql(source: SqlSource) -> list[Shard]:
         rows = conn.execute(sa.select(sa.func.count()).select_from(t)).scalar_one()
     engine.dispose()
     n = source.rows_per_shard
-    where = {"kind": "sql", "url": source.url, "table": source.table, "key": source.key}
+    where = {"kind": "sql", "url": source.safe_url(), "table": source.table, "key": source.key}
     return [{**where, "offset": k, "limit": n} for k in range(0, rows, n)]
 
 
