@@ -1,6 +1,7 @@
 """Tuning with real worker processes on a real SQLite database: the known minimum of a
 quadratic is found by two workers that share the trials, the median pruner stops the worse
-trials, a SIGKILLed job resumes to exactly its budget, and the digits example learns and prunes."""
+trials, a SIGKILLed job resumes to exactly its budget (a stale trial keeps its place for its
+retry), and the digits example learns and prunes."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from optuna.trial import TrialState
 
 from conftest import EXAMPLES, wait_for
 from distml.tune import build_tune_config, load_objective, open_storage, tune
-from distml.tune.budget import SURPLUS
-from distml.tune.liveness import WORKER
+from distml.tune.budget import SURPLUS, BudgetSpent, gate
+from distml.tune.liveness import WORKER, mark_ended, mark_started
+from distml.tune.storage import GRACE_FACTOR
 from distml.tune.study import prepare_study
 
 HERE = Path(__file__).resolve().parent
@@ -163,6 +165,64 @@ def test_a_killed_job_resumes_to_exactly_its_trials(tmp_path):
         assert by_number[n].state == TrialState.FAIL  # failed once its heartbeat went stale
         assert retries[n].state in FINISHED  # and run again, with the same parameters
         assert retries[n].params == by_number[n].params
+
+
+class StaleFailure:
+    """A study of 3 trials: 2 complete and one started by a worker that died in it, which
+    another worker has just failed for its stale heartbeat, as Optuna's ``fail_stale_trials``
+    does it: the FAIL first, then, in a second write, the retry queued."""
+
+    def __init__(self, folder: Path, *, ended: bool = False):
+        url, name = sqlite_url(folder), "stale"
+        config = build_tune_config(
+            objective=objective("quadratic"), n_trials=3, storage=url, study_name=name
+        )
+        prepare_study(config, open_storage(url))
+        self.grace_s = GRACE_FACTOR * 1  # a heartbeat every second
+        self.storage = open_storage(url, heartbeat_s=1)
+        self.study = optuna.load_study(study_name=name, storage=self.storage)
+        for _ in range(2):
+            done = self.study.ask()
+            self.study.tell(done, done.suggest_float("x", 0, 1))
+        self.dead = self.study.ask()
+        self.dead.suggest_float("x", 0, 1)
+        mark_started(self.dead, self.storage, self.study._study_id)
+        if ended:
+            mark_ended(self.dead)
+        self.storage.set_trial_state_values(self.dead._trial_id, TrialState.FAIL)
+
+    def queue_retry(self) -> None:
+        retry = self.storage.get_heartbeat_stale_trial_callback()
+        retry(self.study, self.storage.get_trial(self.dead._trial_id))
+
+
+# Optuna warns that a heartbeat is meant for study.optimize; these tests drive ask and tell.
+ignore_heartbeat_warning = pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+
+
+@ignore_heartbeat_warning
+def test_a_trial_failed_as_stale_holds_its_place_until_its_retry_is_queued(tmp_path):
+    stale = StaleFailure(tmp_path)
+    newcomer = stale.study.ask()  # taken between the failure and the retry
+    with pytest.raises(BudgetSpent):
+        gate(newcomer, 3, stale.grace_s)
+    stale.study.tell(newcomer, state=TrialState.FAIL)
+    stale.queue_retry()
+    retry = stale.study.ask()
+    assert retry.params == stale.dead.params  # the queued retry, not a new sample
+    gate(retry, 3, stale.grace_s)  # the place is the retry's: it runs
+
+
+@ignore_heartbeat_warning
+def test_a_stale_trial_whose_retry_never_comes_frees_its_place_after_the_grace(tmp_path):
+    stale = StaleFailure(tmp_path)  # the worker that failed it died before queuing the retry
+    gate(stale.study.ask(), 3, grace_s=0)
+
+
+@ignore_heartbeat_warning
+def test_a_trial_whose_objective_raised_frees_its_place_at_once(tmp_path):
+    stale = StaleFailure(tmp_path, ended=True)
+    gate(stale.study.ask(), 3, stale.grace_s)
 
 
 def test_a_trial_whose_worker_died_before_it_started_does_not_hold_the_job(tmp_path):

@@ -16,7 +16,8 @@ rules, both read from the database so that they hold across hosts and restarts, 
 
 A trial left RUNNING by a dead worker holds its place until its heartbeat goes stale; it is then
 failed and its retry queued under a new, higher number, which takes over that place: every
-trial started meanwhile counted the stale one as running and left room for it. While waiting,
+trial started meanwhile counted the stale one as running and left room for it; from its failure
+until its retry is queued, it still counts (``liveness.awaiting_retry``). While waiting,
 a worker fails dead workers' trials itself (see ``liveness``), since Optuna does so only when a
 trial starts.
 """
@@ -28,7 +29,7 @@ import time
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from distml.tune.liveness import fail_dead_trials
+from distml.tune.liveness import awaiting_retry, fail_dead_trials
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 HELD = (TrialState.RUNNING, TrialState.WAITING)
@@ -58,18 +59,20 @@ def wait_for_room(study: optuna.Study, n_trials: int, grace_s: float) -> bool:
         if finished >= n_trials or sum(map(is_failure, trials)) >= n_trials:
             return False
         running = sum(t.state == TrialState.RUNNING for t in trials)
+        running += awaiting_retry(trials, grace_s)
         if finished + running < n_trials or any(t.state == TrialState.WAITING for t in trials):
             return True
         fail_dead_trials(study, grace_s)
         time.sleep(POLL_S)
 
 
-def gate(trial: optuna.Trial, n_trials: int) -> None:
+def gate(trial: optuna.Trial, n_trials: int, grace_s: float) -> None:
     """Raise BudgetSpent if ``trial`` would be one more than the study needs. It never waits,
     so no trial can hold a worker that another trial waits for."""
     trials = trial.study.get_trials(deepcopy=False)
     finished = sum(t.state in FINISHED for t in trials)
     ahead = sum(t.state in HELD and t.number < trial.number for t in trials)
+    ahead += awaiting_retry(trials, grace_s)
     if finished + ahead >= n_trials:
         trial.set_user_attr(SURPLUS, True)
         raise BudgetSpent(f"trial {trial.number} is not needed: the study has its trials")

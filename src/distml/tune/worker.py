@@ -10,7 +10,7 @@ import optuna
 from distml.config import ConfigError
 from distml.tune.budget import BudgetCallback, gate, wait_for_room
 from distml.tune.config import parse_pruner
-from distml.tune.liveness import mark_started
+from distml.tune.liveness import mark_ended, mark_started
 from distml.tune.objective import load_objective
 from distml.tune.storage import GRACE_FACTOR, HEARTBEAT_S, check_storage_url, open_storage
 from distml.tune.study import read_settings
@@ -51,10 +51,13 @@ def run_worker(
 
     def run_trial(trial: optuna.Trial) -> float:
         nonlocal ran
-        gate(trial, settings.n_trials)
+        gate(trial, settings.n_trials, grace_s)
         mark_started(trial, rdb, study_id)
         ran += 1
-        return fn(trial)
+        try:
+            return fn(trial)
+        finally:
+            mark_ended(trial)
 
     study.optimize(
         run_trial,
