@@ -12,19 +12,27 @@ import re
 import time
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONFIG_ENV = "DISTML_CONFIG"
 
-STRATEGIES = ("ddp", "local-sgd", "ps")
-CONSISTENCIES = ("bsp", "asp", "ssp")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
-PRECISIONS = ("fp32", "bf16", "fp16")
-MESH_DIMS = ("dp", "fsdp", "tp", "pp")
+# One name per concept, imported wherever the concept is used.
+StrategyName = Literal["ddp", "local-sgd", "ps"]
+Consistency = Literal["bsp", "asp", "ssp"]  # the parameter servers' rules
+Schedule = Literal["gpipe", "1f1b", "interleaved"]  # pipeline schedules
+Compression = Literal["none", "fp16", "bf16", "powersgd"]  # of DDP's gradients
+Precision = Literal["fp32", "bf16", "fp16"]
+Recompute = Literal["none", "selective", "full"]  # activation checkpointing
+MeshDim = Literal[
+    "dp", "fsdp", "tp", "pp"
+]  # outermost last: torchtitan's order is pp, dp, fsdp, tp
+
+STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)
+CONSISTENCIES: tuple[str, ...] = get_args(Consistency)
+MESH_DIMS: tuple[str, ...] = get_args(MeshDim)
 
 
 class ConfigError(ValueError):
@@ -62,12 +70,12 @@ class StrategyConfig(_Model):
     step). ``local-sgd``: H local steps, then averaged parameters through an outer optimizer.
     ``ps``: parameter servers hold the parameters (see :class:`PSConfig`)."""
 
-    name: Literal["ddp", "local-sgd", "ps"] = "ddp"
-    compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    name: StrategyName = "ddp"
+    compression: Compression = "none"
     powersgd_rank: Annotated[int, Field(ge=1)] = 2
     powersgd_start_iter: Annotated[int, Field(ge=1)] = 2
     grad_accum: Annotated[int, Field(ge=1)] = 1
-    mixed_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    mixed_precision: Precision = "fp32"
     bucket_cap_mb: Annotated[float, Field(gt=0)] | None = None  # None: DDP's default buckets
     sync_every: Annotated[int, Field(ge=1)] = 8  # local-sgd: H
     outer_lr: Annotated[float, Field(gt=0)] = 1.0  # local-sgd: 1.0 and no momentum = averaging
@@ -89,7 +97,7 @@ class PSConfig(_Model):
     ``heartbeat_timeout_s`` leaves the barrier until it registers again.
     """
 
-    consistency: Literal["bsp", "asp", "ssp"] = "bsp"
+    consistency: Consistency = "bsp"
     staleness: Annotated[int, Field(ge=0)] = 0
     backup_workers: Annotated[int, Field(ge=0)] = 0
     servers: Annotated[int, Field(ge=1)] = 1
@@ -119,13 +127,13 @@ class ParallelConfig(_Model):
     (ZeRO-2-like: one all-gather a step instead of two, at the memory of whole parameters).
     """
 
-    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    schedule: Schedule = "1f1b"
     microbatches: Annotated[int, Field(ge=1)] = 4
     stages_per_rank: Annotated[int, Field(ge=1)] | None = None  # None: 2 if interleaved, else 1
     split_points: list[str] | None = None
     tp_plan: dict[str, Literal["colwise", "rowwise"]] | None = None
     sequence_parallel: bool = False
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    activation_checkpointing: Recompute = "none"
     reshard_after_forward: bool = True
 
     @property
@@ -337,8 +345,8 @@ def parse_strategy(text: str) -> dict[str, object]:
     """``"ddp"``, ``"ddp:compression=fp16,grad_accum=2"``, ``"local-sgd:8"`` (H = 8) or
     ``"local-sgd:sync_every=8,outer_momentum=0.9"`` -> StrategyConfig fields."""
     name, _, options = text.partition(":")
-    if name not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
+    if name not in STRATEGY_NAMES:
+        raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGY_NAMES)}")
     fields: dict[str, object] = {"name": name}
     if name == "ps" and options:
         raise ConfigError("--strategy ps takes no options: use --consistency, --servers, ...")

@@ -90,7 +90,8 @@ def digit_features(table: Any) -> dict[str, np.ndarray]:
 
 
 def preprocess_digits(folder: Path, workers: int) -> dict[str, Any]:
-    from distml.data.preprocess import CsvSource, preprocess
+    from distml.data.preprocess import CsvSource
+    from distml.jobs.preprocess import preprocess
 
     raw = folder / "raw" / "digits.csv"
     rows = write_raw_digits(raw)
@@ -165,7 +166,7 @@ def finetune_mirrored(
     folder: Path, base: Path, data: dict[str, TensorDataset], nproc: int, epochs: int
 ) -> dict[str, Any]:
     """LoRA adapters of rank 4 on the CNN's Linear layers, the rest frozen, on mirrored images."""
-    from distml.train.finetune_job import FineTuneSpec, run_finetune
+    from distml.jobs.finetune import FineTuneSpec, run_finetune
 
     spec = FineTuneSpec(model=MODEL, base=base, lora_r=4, epochs=epochs, global_batch=32, lr=0.02)
     return run_finetune(
@@ -186,7 +187,7 @@ def batch_inference(
 ) -> dict[str, Any]:
     from safetensors.torch import load_file
 
-    from distml.train.infer import run_inference
+    from distml.jobs.infer import run_inference
 
     x, y = val.tensors
     started = time.perf_counter()
@@ -215,12 +216,12 @@ def serve_and_query(
     ``images`` as requests of ``rows`` images each over HTTP, return the answers and latencies."""
     import httpx
 
+    from distml.jobs.replicas import ReplicaCommand, ReplicaSet
     from distml.net import BackgroundServer
     from distml.net.ports import free_port
     from distml.serve.protocol import InferRequest, RequestInput
     from distml.serve.router import Router
     from distml.serve.router_app import create_router_app
-    from distml.serve.supervisor import ReplicaCommand, ReplicaSet
 
     token = secrets.token_urlsafe(24)
     command = ReplicaCommand(str(model_dir), MODEL, max_batch_size=32, max_delay_ms=2)

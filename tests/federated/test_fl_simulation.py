@@ -10,8 +10,8 @@ from opacus.accountants import RDPAccountant
 from typer.testing import CliRunner
 
 from distml.federated.server import ServerConfig
-from distml.federated.simulation import SimulationConfig, simulate
 from distml.federated.strategy import LocalConfig, make_strategy
+from distml.jobs.fl_simulation import SimulationConfig, simulate
 
 
 def distml_fl(*args, timeout=300):

@@ -388,10 +388,10 @@ def test_the_preprocessing_coordinator_survives_fuzzing_unchanged(tmp_path):
 
     from distml.data.preprocess import CsvSource, plan
     from distml.data.preprocess.coordinator import Coordinator, create_coordinator_app
-    from distml.data.preprocess.job import describe_job
     from distml.data.preprocess.output import OutputDir
     from distml.data.preprocess.queue import ShardQueue
     from distml.data.preprocess.worker import run_worker
+    from distml.jobs.preprocess import describe_job
 
     # More shards than the fuzzer can claim (a claim with none left is a long poll), on a
     # clock that the test moves: no lease runs out while the fuzzer runs, and all of them have

@@ -11,8 +11,8 @@ from safetensors.torch import save_model
 from conftest import distml_cli
 from distml.config import ConfigError, GPTConfig
 from distml.data import stdlib_text
+from distml.jobs.generate import generate_text, generate_tokens
 from distml.models import GPT, lm_loss
-from distml.serve.generate import generate_text, generate_tokens
 
 CFG = GPTConfig(vocab_size=256, seq_len=32, layers=4, hidden=64, heads=4)
 

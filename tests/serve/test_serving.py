@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from safetensors.torch import save_model
 from starlette.testclient import TestClient
 
+from distml.jobs.replicas import ReplicaCommand, ReplicaSet
 from distml.launch.elastic import free_port
 from distml.models import DigitsCNN
 from distml.net import TOKEN_ENV, BackgroundServer
@@ -26,7 +27,6 @@ from distml.serve.policy import PowerOfTwoChoices, ReplicaState
 from distml.serve.replica import create_replica_app
 from distml.serve.router import Draining, Router
 from distml.serve.router_app import create_router_app
-from distml.serve.supervisor import ReplicaCommand, ReplicaSet
 
 TOKEN = "serving-test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

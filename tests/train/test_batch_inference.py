@@ -19,9 +19,9 @@ from distml.cli.data_spec import parse_data
 from distml.cli.infer import infer as infer_command
 from distml.config import ConfigError, GPTConfig
 from distml.data import digits
+from distml.jobs.generate import generate_tokens
+from distml.jobs.infer import read_sequences, write_sequences
 from distml.models import GPT, DigitsCNN, lm_loss
-from distml.serve.generate import generate_tokens
-from distml.train.infer import read_sequences, write_sequences
 
 
 def _cli() -> typer.Typer:

@@ -205,7 +205,7 @@ def test_a_saved_adapter_still_loads(tmp_path):
 
 
 def test_generate_on_several_ranks_refuses_unfit_weights_before_it_starts_them(tmp_path):
-    from distml.serve.generate import generate_tokens
+    from distml.jobs.generate import generate_tokens
 
     weights = tmp_path / "model.safetensors"
     save_model(DigitsCNN(), str(weights))

@@ -1,5 +1,6 @@
-"""The ``--data`` of ``distml finetune`` and ``distml infer``: a bundled dataset by name, or a
-safetensors file of tensors ``x`` (inputs) and ``y`` (targets), as ``distml fl client`` reads."""
+"""The ``--data`` of the commands: for ``distml finetune`` and ``distml infer`` a bundled dataset by
+name or a safetensors file of tensors ``x`` (inputs) and ``y`` (targets); for ``distml fl client``
+and the hub's commands a client's part of the digits or such a file."""
 
 from __future__ import annotations
 
@@ -61,3 +62,28 @@ def _file_data(path: Path, targets: bool) -> TensorDataset:
     if len(y) != len(x):
         raise ConfigError(f"--data {str(path)!r}: x and y differ in length")
     return TensorDataset(x, y.long() if not y.is_floating_point() else y)
+
+
+def load_client_data(spec: str):
+    """A client's local dataset from ``spec`` (see ``distml fl client --data``)."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    from torch.utils.data import TensorDataset
+
+    if spec.startswith("digits:"):
+        from distml.data import digits
+
+        k, _, n = spec.removeprefix("digits:").partition("/")
+        if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+            raise ValueError(f"--data {spec!r}: expected digits:K/N with 0 <= K < N")
+        train = digits("train")
+        idx = torch.arange(len(train)).tensor_split(int(n))[int(k)]
+        return TensorDataset(*(t[idx] for t in train.tensors))
+    try:
+        tensors = load_file(spec)
+    except SafetensorError as exc:
+        raise ValueError(f"{spec}: not a safetensors file ({exc})") from None
+    if set(tensors) != {"x", "y"} or len(tensors["x"]) != len(tensors["y"]):
+        raise ValueError(f"{spec}: expected tensors x and y of the same length")
+    return TensorDataset(tensors["x"].float(), tensors["y"].long())

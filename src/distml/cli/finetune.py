@@ -54,8 +54,8 @@ def finetune(
 
     from distml.cli.data_spec import parse_data
     from distml.config import ConfigError, format_validation_error, parse_mesh
+    from distml.jobs.finetune import FineTuneSpec, run_finetune, with_gpt_size
     from distml.launch.elastic import LaunchError
-    from distml.train.finetune_job import FineTuneSpec, run_finetune, with_gpt_size
 
     settings = {"run_name": run_name, "runs_dir": runs_dir}
     try:

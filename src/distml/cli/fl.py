@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
+from distml.cli.data_spec import load_client_data
+from distml.cli.fl_hub import hub_app
 from distml.cli.messages import fail_usage
 from distml.cli.tokens import read_tokens, write_private
 
@@ -164,8 +166,8 @@ def simulate(
 
     from distml.federated.client import parse_attack
     from distml.federated.partition import parse_partition
-    from distml.federated.simulation import SimulationConfig, print_json_line
-    from distml.federated.simulation import simulate as run_simulation
+    from distml.jobs.fl_simulation import SimulationConfig, print_json_line
+    from distml.jobs.fl_simulation import simulate as run_simulation
 
     try:
         parse_partition(partition)
@@ -333,32 +335,5 @@ def tokens(
     except OSError as exc:
         fail_usage(f"{out}: {exc.strerror or exc}")
 
-
-def load_client_data(spec: str):
-    """A client's local dataset from ``spec`` (see ``distml fl client --data``)."""
-    import torch
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    from torch.utils.data import TensorDataset
-
-    if spec.startswith("digits:"):
-        from distml.data import digits
-
-        k, _, n = spec.removeprefix("digits:").partition("/")
-        if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
-            raise ValueError(f"--data {spec!r}: expected digits:K/N with 0 <= K < N")
-        train = digits("train")
-        idx = torch.arange(len(train)).tensor_split(int(n))[int(k)]
-        return TensorDataset(*(t[idx] for t in train.tensors))
-    try:
-        tensors = load_file(spec)
-    except SafetensorError as exc:
-        raise ValueError(f"{spec}: not a safetensors file ({exc})") from None
-    if set(tensors) != {"x", "y"} or len(tensors["x"]) != len(tensors["y"]):
-        raise ValueError(f"{spec}: expected tensors x and y of the same length")
-    return TensorDataset(tensors["x"].float(), tensors["y"].long())
-
-
-from distml.cli.fl_hub import hub_app  # noqa: E402  (the hub's commands live in their own file)
 
 fl_app.add_typer(hub_app, name="hub")

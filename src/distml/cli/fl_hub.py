@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from distml.cli.data_spec import load_client_data
 from distml.cli.messages import fail_usage, report_failure
 from distml.cli.tokens import read_tokens
 
@@ -63,7 +64,6 @@ def serve(
     from pydantic import ValidationError
     from safetensors import SafetensorError
 
-    from distml.cli.fl import load_client_data
     from distml.config import format_validation_error
     from distml.data import digits
     from distml.federated.hub import Hub, HubConfig
@@ -117,7 +117,6 @@ def contribute(
     never leaves this machine; the token comes from DISTML_TOKEN."""
     from safetensors import SafetensorError
 
-    from distml.cli.fl import load_client_data
     from distml.federated.hub_app import HubClient, fine_tune
     from distml.net import ServiceError, token_from_env
 

@@ -21,8 +21,8 @@ def generate(
     mesh: Annotated[str | None, typer.Option(help="Layout, e.g. tp=2 or pp=2.")] = None,
 ) -> None:
     """Continue PROMPT with the GPT exported by a run, laid out over NPROC processes."""
+    from distml.jobs.generate import generate_text
     from distml.launch.elastic import LaunchError
-    from distml.serve.generate import generate_text
 
     if tokens < 1:
         fail_usage(f"--tokens must be >= 1, got {tokens}")

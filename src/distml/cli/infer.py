@@ -90,7 +90,7 @@ def _predict(
 ) -> Path:
     from distml.cli.data_spec import parse_data
     from distml.config import ConfigError
-    from distml.train.infer import run_inference, splits_model
+    from distml.jobs.infer import run_inference, splits_model
 
     if splits_model(settings["mesh"]):
         raise ConfigError(f"{model} is small enough to run whole on each rank: use dp=N")
@@ -103,8 +103,8 @@ def _generate(
     checkpoint: Path, prompts: Path, tokens: int, out: Path, batch_size: int, settings: dict
 ) -> Path:
     from distml.config import ConfigError
-    from distml.serve.generate import generate_tokens
-    from distml.train.infer import write_sequences
+    from distml.jobs.generate import generate_tokens
+    from distml.jobs.infer import write_sequences
 
     if tokens < 1:
         raise ConfigError(f"--tokens must be >= 1, got {tokens}")

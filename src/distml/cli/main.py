@@ -236,7 +236,7 @@ def run(
 
     try:
         if cfg.strategy.name == "ps":
-            from distml.ps.job import run_ps_job
+            from distml.jobs.ps import run_ps_job
 
             run_ps_job(cfg, [sys.executable, "-u", *target, *ctx.args])
         else:
@@ -334,7 +334,7 @@ def demo(
         cfg = build_config(**fields)
     except ConfigError as exc:
         fail_usage(str(exc))
-    from distml.data.preprocess import PreprocessError
+    from distml.jobs.preprocess import PreprocessError
     from distml.launch.elastic import LaunchError
     from distml.lifecycle import run_lifecycle
 

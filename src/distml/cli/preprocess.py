@@ -100,8 +100,9 @@ def run(
     from pydantic import ValidationError
     from rich.console import Console
 
-    from distml.data.preprocess import OutputError, PreprocessError, SourceError, preprocess
+    from distml.data.preprocess import OutputError, SourceError
     from distml.data.preprocess.worker import load_transform
+    from distml.jobs.preprocess import PreprocessError, preprocess
     from distml.net import TOKEN_ENV, token_from_env
 
     console = Console(stderr=True)

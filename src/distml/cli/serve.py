@@ -84,10 +84,10 @@ def deploy(
     from rich.console import Console
 
     from distml.config import ConfigError
+    from distml.jobs.replicas import ReplicaCommand, ReplicaSet
     from distml.serve.model import load_served_model
     from distml.serve.router import Router
     from distml.serve.router_app import create_router_app, run_router
-    from distml.serve.supervisor import ReplicaCommand, ReplicaSet
 
     _check_rows(max_batch_size, max_batch_rows)
     token = _token()

@@ -65,7 +65,7 @@ def _launch_ps(config: RunConfig, payload: bytes) -> Any:
 
     import torch
 
-    from distml.ps.job import run_ps_job
+    from distml.jobs.ps import run_ps_job
 
     private = Path(tempfile.mkdtemp(prefix="distml-launch-"))
     try:

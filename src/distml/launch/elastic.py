@@ -25,9 +25,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from distml.config import CONFIG_ENV, ConfigError, RunConfig, parse_endpoint, save_config
+from distml.devices import gpu_share_error
 from distml.launch.forkserver import start_fork_server
 from distml.net.ports import free_port
-from distml.runtime.devices import gpu_share_error
 
 ATTEMPT_ENV = "DISTML_ATTEMPT"
 # A failed worker makes torch's agent log the failure, and a function's with a traceback that

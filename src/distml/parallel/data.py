@@ -20,8 +20,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from distml.comm.collectives import ring_wire_bytes
 from distml.config import StrategyConfig
-from distml.runtime.collectives import ring_wire_bytes
 
 
 @dataclass

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distml.comm.collectives import ring_wire_bytes
 from distml.config import StrategyConfig
 from distml.parallel.data import Accounting
-from distml.runtime.collectives import ring_wire_bytes
 
 
 class LocalSGD:

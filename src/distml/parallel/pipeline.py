@@ -29,9 +29,13 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from distml.config import ConfigError
+from distml.config import ConfigError, Schedule
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+SCHEDULES: dict[Schedule, type] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved": ScheduleInterleaved1F1B,
+}
 
 
 def pipeline_bubble(stages: int, microbatches: int, virtual: int = 1) -> float:

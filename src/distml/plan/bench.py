@@ -8,8 +8,6 @@ seconds moves ``2*(d-1)/d * n / t`` bytes per second through each rank's link.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -21,17 +19,7 @@ import torch.distributed as dist
 from distml.config import GPTConfig
 from distml.plan.calibration import Calibration
 from distml.plan.cost_model import Cluster, Device
-
-
-def median_time(fn, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs, after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from distml.plan.timing import median_time
 
 
 def matmul_flops(

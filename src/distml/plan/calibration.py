@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from distml.plan.cost_model import Layout, ModelSpec, Training
+from distml.plan.spec import Layout, ModelSpec, Training, bubble_fraction, stage_params
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 
@@ -98,8 +97,6 @@ class Calibration:
     def step(self, model: ModelSpec, training: Training, layout: Layout, m: int) -> Timing | None:
         """The step of ``layout`` from the measurements, or None where a piece it needs (its
         micro-batch and tensor degree, a group size) was not measured."""
-        from distml.plan.cost_model import bubble_fraction
-
         stages = [self._stage(model, training, layout, m, i) for i in range(layout.pp)]
         if None in stages:
             return None
@@ -113,8 +110,6 @@ class Calibration:
         self, model: ModelSpec, training: Training, layout: Layout, m: int, stage: int
     ) -> Timing | None:
         """One pipeline stage's work in a step, as if it never waited for another."""
-        from distml.plan.cost_model import stage_params
-
         b, t, p, d, zero = training.micro_batch, layout.tp, layout.pp, layout.dp, layout.zero
         block, edge = self.blocks.get(f"{b}x{t}"), self.edges.get(str(b))
         if block is None or edge is None:

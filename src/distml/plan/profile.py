@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from distml.config import GPTConfig
 from distml.models.gpt import GPT, Block, lm_loss
-from distml.plan.bench import median_time
+from distml.plan.timing import median_time
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 SIZES = (2**16, 2**18, 2**20, 2**22, 2**24)  # bytes per rank's input

@@ -40,13 +40,13 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from distml.config import Consistency
 from distml.ps.optimizer_spec import FLOAT_DTYPES, build_optimizer, validate_optimizer_spec
 
-Consistency = Literal["bsp", "asp", "ssp"]
 log = logging.getLogger("distml.ps")
 
 

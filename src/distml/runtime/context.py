@@ -30,19 +30,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Dataset
 
+from distml.comm.accounting import CommAccounting
 from distml.config import RunConfig, config_from_env
 from distml.data.loader import ShardedLoader
 from distml.data.sampler import ClaimedBatchSampler
+from distml.devices import pick_device
 from distml.parallel.data import DataParallel, apply_data_parallel
 from distml.parallel.local_sgd import LocalSGD
 from distml.parallel.mesh import ParallelDims
-from distml.runtime.comm_accounting import CommAccounting
-from distml.runtime.devices import pick_device
 from distml.runtime.progress import Progress
 from distml.runtime.run_files import write_run_files
 from distml.telemetry.energy import open_energy_meter
 from distml.telemetry.memory import ActivationTracker, ParameterPeak, model_state_bytes
 from distml.telemetry.recorder import StepRecord, StepRecorder
+from distml.telemetry.run_record import RunRecord
 from distml.train import checkpoint as ckpt
 from distml.train.evaluate import Metric, evaluate
 
@@ -539,11 +540,30 @@ class Context:
         """Gather every rank's measurements and write the run directory. Returns the summary."""
         self._progress.stop()
         if self.ps:
-            from distml.ps.job import write_worker_files
+            from distml.jobs.ps import write_worker_files  # the web stack: parameter servers only
 
             self._strategy.finalize()
-            return write_worker_files(self, eval or {})
-        return write_run_files(self, eval or {})
+            return write_worker_files(self._record(), eval or {})
+        return write_run_files(self._record(), eval or {})
+
+    def _record(self) -> RunRecord:
+        """This rank's run as plain data for the run files. Under model parallelism it gathers
+        the whole state from every rank's shards: a collective, which every rank calls."""
+        return RunRecord(
+            config=self.config,
+            rank=self.rank,
+            world_size=self.world_size,
+            attempt=self.attempt,
+            steps=self.step,
+            run_dir=self.run_dir,
+            device=self.device,
+            wall_s=time.perf_counter() - self._started,
+            recorder=self.recorder,
+            mesh=self.dims.as_dict() if self.model_parallel else {"dp": self.world_size},
+            model_parallel=self.model_parallel,
+            module=None if self.model is None else self._module(),
+            full_state=self.full_state_dict() if self.model_parallel else None,
+        )
 
 
 def seed_everything(seed: int) -> None:

@@ -251,7 +251,7 @@ def gather_full_state(
     """
     from torch.distributed.tensor import DTensor
 
-    from distml.runtime.collectives import all_gather_json
+    from distml.comm.collectives import all_gather_json
 
     params = {name.replace(_WRAPPED, "") for name, _ in model.named_parameters()}
     local: dict[str, torch.Tensor] = {}

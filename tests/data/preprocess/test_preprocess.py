@@ -20,15 +20,14 @@ from distml.data.preprocess import (
     OutputError,
     ParquetSource,
     PreprocessedShards,
-    PreprocessError,
     SourceError,
     SqlSource,
     plan,
-    preprocess,
     read_manifest,
     read_table,
 )
 from distml.data.preprocess.worker import as_table
+from distml.jobs.preprocess import PreprocessError, preprocess
 
 HERE = Path(__file__).resolve().parent
 FEATURES = f"{HERE / 'transforms.py'}:features"

@@ -20,12 +20,12 @@ from typer.testing import CliRunner
 
 from conftest import child_pids, cmdline, wait_for
 from distml.cli.main import app
-from distml.data.preprocess import CsvSource, PreprocessError, plan, preprocess, read_table
+from distml.data.preprocess import CsvSource, plan, read_table
 from distml.data.preprocess.coordinator import Coordinator, create_coordinator_app
-from distml.data.preprocess.job import describe_job
 from distml.data.preprocess.output import OutputDir
 from distml.data.preprocess.queue import ShardQueue
 from distml.data.preprocess.worker import run_worker
+from distml.jobs.preprocess import PreprocessError, describe_job, preprocess
 from distml.net import TOKEN_ENV
 
 HERE = Path(__file__).resolve().parent

@@ -27,18 +27,16 @@ from distml.cli.main import app as cli
 from distml.data.preprocess import (
     CsvSource,
     FilesSource,
-    PreprocessError,
     SourceError,
     plan,
-    preprocess,
     read_table,
 )
 from distml.data.preprocess.coordinator import Coordinator, create_coordinator_app
-from distml.data.preprocess.job import describe_job
 from distml.data.preprocess.output import TMP, OutputDir
 from distml.data.preprocess.queue import ShardQueue
 from distml.data.preprocess.scope import JobScope, RefusedAnswer
 from distml.data.preprocess.worker import run_worker
+from distml.jobs.preprocess import PreprocessError, describe_job, preprocess
 from distml.net import TOKEN_ENV, BackgroundServer, LoopStopped
 from distml.net.ports import free_port
 
@@ -389,7 +387,7 @@ def test_a_database_password_never_leaves_the_coordinator(tmp_path, monkeypatch)
     import sqlalchemy as sa
 
     from distml.data.preprocess import SqlSource, sources
-    from distml.data.preprocess.job import _worker_secrets
+    from distml.jobs.preprocess import _worker_secrets
 
     db = tmp_path / "rows.db"
     with sqlite3.connect(db) as conn:

@@ -1,8 +1,9 @@
 """Distributed preprocessing: a coordinator cuts the input into shards and hands them to workers,
 which transform each into a Parquet file; the training data loader streams the result by rank.
 
-See :func:`preprocess` (the job), :mod:`.sources` (files, CSV, Parquet, SQL), :mod:`.queue`
-(leases, retries, speculation) and :class:`PreprocessedShards` (reading it back).
+The job that starts the coordinator and its workers is :func:`distml.jobs.preprocess.preprocess`;
+here are its parts: :mod:`.sources` (files, CSV, Parquet, SQL), :mod:`.queue` (leases, retries,
+speculation), the coordinator and the worker, and :class:`PreprocessedShards` (reading it back).
 
 Names are imported on first use (PEP 562): a worker process, which imports :mod:`.worker`,
 needs neither the coordinator's web server nor the job's supervisor.
@@ -15,7 +16,6 @@ from typing import TYPE_CHECKING
 from distml._lazy import lazy_getattr
 
 if TYPE_CHECKING:
-    from distml.data.preprocess.job import PreprocessError, PreprocessResult, preprocess
     from distml.data.preprocess.output import OutputError
     from distml.data.preprocess.reader import PreprocessedShards, read_manifest, read_table
     from distml.data.preprocess.sources import (
@@ -29,9 +29,6 @@ if TYPE_CHECKING:
     )
 
 _WHERE = {
-    "PreprocessError": "job",
-    "PreprocessResult": "job",
-    "preprocess": "job",
     "OutputError": "output",
     "PreprocessedShards": "reader",
     "read_manifest": "reader",
@@ -54,13 +51,10 @@ __all__ = [
     "FilesSource",
     "OutputError",
     "ParquetSource",
-    "PreprocessError",
-    "PreprocessResult",
     "PreprocessedShards",
     "SourceError",
     "SqlSource",
     "plan",
-    "preprocess",
     "read_manifest",
     "read_shard",
     "read_table",

@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -31,12 +31,11 @@ from distml.launch.children import ChildProcess, stop_all
 from distml.launch.elastic import ATTEMPT_ENV, LaunchError, WorkerFailure, free_port
 from distml.net import TOKEN_ENV, ServiceClient, ServiceError, decode_tensors
 from distml.ps.worker import SERVERS_ENV
+from distml.telemetry.console import print_summary
 from distml.telemetry.report import write_report
+from distml.telemetry.run_record import RunRecord
 from distml.telemetry.summary import summarize
 from distml.train.checkpoint import export_state, norm_of
-
-if TYPE_CHECKING:
-    from distml.runtime.context import Context
 
 MAX_SERVER_RESTARTS = 10
 
@@ -217,20 +216,20 @@ def worker_file(run_dir: Path, rank: int, attempt: int) -> Path:
     return run_dir / "workers" / f"rank-{rank}-attempt-{attempt}.json"
 
 
-def write_worker_files(ctx: Context, eval_metrics: dict[str, float]) -> dict[str, Any]:
+def write_worker_files(run: RunRecord, eval_metrics: dict[str, float]) -> dict[str, Any]:
     """A worker's part of the run files: its step records and its evaluation."""
-    records = [r.to_json() for r in ctx.recorder.records]
-    path = worker_file(ctx.run_dir, ctx.rank, ctx.attempt)
+    records = [r.to_json() for r in run.recorder.records]
+    path = worker_file(run.run_dir, run.rank, run.attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
     out = {
-        "rank": ctx.rank,
-        "attempt": ctx.attempt,
+        "rank": run.rank,
+        "attempt": run.attempt,
         "records": records,
         "eval": eval_metrics,
-        "energy_source": ctx.recorder.energy.source,
+        "energy_source": run.recorder.energy.source,
     }
     path.write_text(json.dumps(out))
-    return {"rank": ctx.rank, "steps": ctx.step, "eval": eval_metrics}
+    return {"rank": run.rank, "steps": run.steps, "eval": eval_metrics}
 
 
 def _read_workers(run_dir: Path, world: int) -> tuple[list[list[dict]], dict[str, Any]]:
@@ -342,7 +341,5 @@ def write_job_files(
     summary["report"] = str(write_report(run_dir, [r for r in per_rank if r], summary))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if config.telemetry.progress:
-        from distml.runtime.run_files import print_summary
-
         print_summary(summary)
     return summary

@@ -2,7 +2,7 @@
 
 Every torch collective passes through the dispatcher as a ``c10d`` (process-group API) or
 ``_c10d_functional`` (DTensor) operator, so one dispatch mode sees them all. It sums each one's
-payload (see :mod:`distml.runtime.collectives` for what payload and wire bytes mean) and the time
+payload (see :mod:`distml.comm.collectives` for what payload and wire bytes mean) and the time
 this rank spends blocked in it.
 """
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distml.runtime.collectives import ring_wire_bytes
+from distml.comm.collectives import ring_wire_bytes
 
 
 def _nbytes(t: Any) -> int:

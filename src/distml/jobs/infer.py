@@ -25,11 +25,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from distml.comm.collectives import all_gather_json
 from distml.config import ConfigError, build_config
 from distml.data.sampler import eval_shard
 from distml.launch.api import launch
 from distml.parallel.mesh import ParallelDims
-from distml.runtime.collectives import all_gather_json
 from distml.train.checkpoint import check_weights, load_weights, resolve_weights
 
 if TYPE_CHECKING:
