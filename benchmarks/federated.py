@@ -26,8 +26,8 @@ from typing import Any
 from _common import RESULTS_DIR, machine_info, print_table, write_json
 
 from distml.federated.server import ServerConfig
-from distml.federated.simulation import SimulationConfig, simulate
 from distml.federated.strategy import LocalConfig, make_strategy
+from distml.jobs.fl_simulation import SimulationConfig, simulate
 
 CONFIGS = [  # (name, E, B); B = 0 is all of a client's data in one batch
     ("FedSGD", 1, 0),  # = FedAvg with E = 1, B = all

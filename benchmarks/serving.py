@@ -34,10 +34,10 @@ import torch
 from _common import machine_info, print_table, write_json
 from safetensors.torch import save_model
 
+from distml.jobs.replicas import ReplicaCommand, ReplicaSet
 from distml.launch.elastic import free_port
 from distml.models import DigitsCNN
 from distml.net import TOKEN_ENV
-from distml.serve.supervisor import ReplicaCommand, ReplicaSet
 
 TOKEN = "benchmark-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
