@@ -397,9 +397,19 @@ def format_validation_error(exc: ValidationError) -> str:
 
 
 def save_config(config: RunConfig, path: Path) -> None:
-    data = config.model_dump(mode="json", exclude_none=True)
+    data = _toml_ready(config.model_dump(exclude_none=True))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(tomli_w.dumps(data))
+
+
+def _toml_ready(value: Any) -> Any:
+    """``value`` with paths as text and tuples as lists; TOML's own types (dates among them, which
+    a free-form table such as ``[model]`` may hold) are kept, so the file reads back the same."""
+    if isinstance(value, dict):
+        return {k: _toml_ready(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_toml_ready(v) for v in value]
+    return str(value) if isinstance(value, Path) else value
 
 
 MAX_CONFIG_BYTES = 2**20  # a resolved config.toml is about 1 KB
