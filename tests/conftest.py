@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -126,6 +127,32 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def remote_preprocess(
+    csv: Path, transform: str, out: Path, token: str, **options
+) -> tuple[dict, threading.Thread]:
+    """A preprocessing coordinator with no local workers, in a thread, once it listens: ``job``
+    gets its ``url``, then its ``result`` or its ``error``."""
+    from distml.data.preprocess import CsvSource
+    from distml.jobs.preprocess import PreprocessError, preprocess
+
+    job: dict = {}
+    up = threading.Event()
+
+    def coordinator() -> None:
+        try:
+            job["result"] = preprocess(
+                CsvSource(path=str(csv), blocksize=2048), transform, out, workers=0, token=token,
+                on_started=lambda url: (job.update(url=url), up.set()), **options,
+            )  # fmt: skip
+        except PreprocessError as exc:
+            job["error"] = str(exc)
+
+    thread = threading.Thread(target=coordinator, daemon=True)
+    thread.start()
+    assert up.wait(30)
+    return job, thread
 
 
 def save_dcp_metadata(

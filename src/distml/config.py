@@ -387,13 +387,20 @@ def build_config(**fields: object) -> RunConfig:
         raise ConfigError(format_validation_error(exc)) from None
 
 
+def describe_errors(exc: ValidationError, count: int | None = None, whole: str = "") -> str:
+    """``where: what`` for the first ``count`` errors of ``exc`` (all by default), joined by
+    "; "; ``whole`` names where an error about the input as a whole is. The input values are
+    left out: they may be large, or secret."""
+    parts = []
+    for error in exc.errors(include_url=False)[:count]:
+        where = ".".join(str(p) for p in error["loc"]) or whole
+        msg = error["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts)
+
+
 def format_validation_error(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{where}: {msg}" if where else msg)
-    return "invalid configuration: " + "; ".join(lines)
+    return "invalid configuration: " + describe_errors(exc)
 
 
 def save_config(config: RunConfig, path: Path) -> None:

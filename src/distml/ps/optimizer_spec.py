@@ -27,6 +27,8 @@ from pydantic import (
     create_model,
 )
 
+from distml.config import describe_errors
+
 MAX_GROUPS = 4096
 MAX_NAMES = 2**20
 MAX_SPEC_BYTES = 4 * 2**20  # as much as a safetensors header holds
@@ -154,21 +156,12 @@ def validate_optimizer_spec(raw: Any) -> dict[str, Any]:
     try:
         spec = _SPECS[name].model_validate(raw)
     except ValidationError as exc:
-        raise ValueError(f"bad {name} options: {_first_errors(exc)}") from None
+        raise ValueError(f"bad {name} options: {describe_errors(exc, 3)}") from None
     groups = [g.model_dump(mode="json", exclude_unset=True, exclude=_DROPPED) for g in spec.groups]
     names = [n for g in groups for n in g["params"]]
     if len(set(names)) < len(names):
         raise ValueError("a parameter named twice in the optimizer's groups")
     return {"name": name, "groups": groups}
-
-
-def _first_errors(exc: ValidationError, count: int = 3) -> str:
-    """The first few errors of ``exc``, each as ``where: what`` (without the input values)."""
-    parts = [
-        f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}"
-        for error in exc.errors()[:count]
-    ]
-    return "; ".join(parts)
 
 
 def _option(value: Any) -> Any:

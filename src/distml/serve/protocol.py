@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from distml.config import describe_errors
 from distml.models.registry import TensorSpec
 from distml.net.untrusted import finite_float
 
@@ -202,7 +203,9 @@ def parse_request(body: bytes) -> InferRequest:
     try:
         return InferRequest.model_validate_json(body)
     except ValidationError as exc:
-        raise ProtocolError(400, f"not an inference request: {_first_error(exc)}") from None
+        raise ProtocolError(
+            400, f"not an inference request: {describe_errors(exc, 1, 'body')}"
+        ) from None
 
 
 def decode_request(
@@ -212,12 +215,6 @@ def decode_request(
     every refusal is a :class:`ProtocolError`, whatever the body holds."""
     request = parse_request(body)
     return request, to_tensor(request.inputs[0], spec, max_rows)
-
-
-def _first_error(exc: ValidationError) -> str:
-    error = exc.errors(include_url=False)[0]
-    where = ".".join(str(p) for p in error["loc"]) or "body"
-    return f"{where}: {error['msg']}"
 
 
 def request_schema() -> dict[str, Any]:

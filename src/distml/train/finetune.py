@@ -38,7 +38,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from distml.config import ConfigError
+from distml.config import ConfigError, describe_errors
 from distml.net.untrusted import bounded_json
 
 if TYPE_CHECKING:
@@ -222,9 +222,8 @@ def load_adapter(model: nn.Module, path: Path | str) -> PeftModel:
         settings = AdapterSettings.model_validate(raw).model_dump()
         tensors = load_file(str(path))
     except (OSError, ValueError, SafetensorError) as exc:
-        if isinstance(exc, ValidationError):
-            exc = _first_error(exc)
-        raise ConfigError(f"cannot read the adapter {path}: {exc}") from None
+        why = describe_errors(exc, 1, "the file") if isinstance(exc, ValidationError) else exc
+        raise ConfigError(f"cannot read the adapter {path}: {why}") from None
     peft_model = add_lora(model, settings)
     inner = peft_model.base_model.model
     wanted = {k for k in inner.state_dict() if is_adapter_key(k)}
@@ -233,13 +232,6 @@ def load_adapter(model: nn.Module, path: Path | str) -> PeftModel:
         raise ConfigError(f"{path} does not fit the model: missing {missing}, unexpected {extra}")
     inner.load_state_dict(tensors, strict=False)
     return peft_model
-
-
-def _first_error(exc: ValidationError) -> str:
-    """One line for a file's reader: where the first problem is and what it is."""
-    first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "the file"
-    return f"{where}: {first['msg']}"
 
 
 def merge_adapter(peft_model: PeftModel) -> nn.Module:

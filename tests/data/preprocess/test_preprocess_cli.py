@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
@@ -18,14 +17,14 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from conftest import child_pids, cmdline, wait_for
+from conftest import child_pids, cmdline, remote_preprocess, wait_for
 from distml.cli.main import app
 from distml.data.preprocess import CsvSource, plan, read_table
 from distml.data.preprocess.coordinator import Coordinator, create_coordinator_app
 from distml.data.preprocess.output import OutputDir
 from distml.data.preprocess.queue import ShardQueue
 from distml.data.preprocess.worker import run_worker
-from distml.jobs.preprocess import PreprocessError, describe_job, preprocess
+from distml.jobs.preprocess import describe_job
 from distml.net import TOKEN_ENV
 
 HERE = Path(__file__).resolve().parent
@@ -153,34 +152,13 @@ def _remote_worker(url: str, out: Path, delay_s: float) -> subprocess.Popen:
     )
 
 
-def _remote_job(csv, tmp_path, **options) -> tuple[dict, threading.Thread]:
-    """A coordinator with no local workers, in a thread, once it listens; ``job`` gets its
-    ``url``, then its ``result`` or its ``error``."""
-    job: dict = {}
-    up = threading.Event()
-
-    def coordinator() -> None:
-        try:
-            job["result"] = preprocess(
-                CsvSource(path=str(csv), blocksize=2048), FAULTY, tmp_path / "out", workers=0,
-                token=TOKEN, on_started=lambda url: (job.update(url=url), up.set()), **options,
-            )  # fmt: skip
-        except PreprocessError as exc:
-            job["error"] = str(exc)
-
-    thread = threading.Thread(target=coordinator, daemon=True)
-    thread.start()
-    assert up.wait(30)
-    return job, thread
-
-
 def test_a_remote_worker_busy_when_the_job_ends_is_told_to_stop(csv, tmp_path, monkeypatch):
     """A slow remote worker holds shard 0 while a fast one does the rest and a backup copy of
     shard 0, which ends the job. The coordinator keeps serving until the slow worker has reported
     its late copy (counted as discarded) and been answered "stop": it exits 0 at once, instead of
     retrying for a minute against a closed port and exiting 1."""
     monkeypatch.delenv("PP_DELAY_S", raising=False)  # the fast worker, in this process
-    job, thread = _remote_job(csv, tmp_path, lease_s=10)
+    job, thread = remote_preprocess(csv, FAULTY, tmp_path / "out", TOKEN, lease_s=10)
     slow = _remote_worker(job["url"], tmp_path / "out", delay_s=4)
     try:
         auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -203,7 +181,7 @@ def test_a_remote_worker_busy_when_the_job_ends_is_told_to_stop(csv, tmp_path, m
 
 def test_a_remote_worker_stopped_by_a_failed_job_exits_1_with_its_error(csv, tmp_path, monkeypatch):
     monkeypatch.setenv("PP_ALWAYS_FAIL_AT", "0")  # the first shard's first row is corrupt
-    job, thread = _remote_job(csv, tmp_path, max_attempts=2)
+    job, thread = remote_preprocess(csv, FAULTY, tmp_path / "out", TOKEN, max_attempts=2)
     worker = _remote_worker(job["url"], tmp_path / "out", delay_s=0)
     try:
         _, stderr = worker.communicate(timeout=60)

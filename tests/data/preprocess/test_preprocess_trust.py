@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -22,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from conftest import wait_for
+from conftest import remote_preprocess, wait_for
 from distml.cli.main import app as cli
 from distml.data.preprocess import (
     CsvSource,
@@ -36,7 +35,7 @@ from distml.data.preprocess.output import TMP, OutputDir
 from distml.data.preprocess.queue import ShardQueue
 from distml.data.preprocess.scope import JobScope, RefusedAnswer
 from distml.data.preprocess.worker import run_worker
-from distml.jobs.preprocess import PreprocessError, describe_job, preprocess
+from distml.jobs.preprocess import describe_job
 from distml.net import TOKEN_ENV, BackgroundServer, LoopStopped
 from distml.net.ports import free_port
 
@@ -268,21 +267,7 @@ def test_the_job_ends_right_after_a_completion_without_a_file(tmp_path):
     """A token holder claims a shard and reports it done without a file: refused, the shard
     goes back when its lease runs out, and an honest worker finishes the job."""
     csv = _write_rows(tmp_path / "rows.csv")
-    job: dict = {}
-    up = threading.Event()
-
-    def coordinator() -> None:
-        try:
-            job["result"] = preprocess(
-                CsvSource(path=str(csv), blocksize=2048), FEATURES, tmp_path / "out", workers=0,
-                token=TOKEN, lease_s=1.5, on_started=lambda url: (job.update(url=url), up.set()),
-            )  # fmt: skip
-        except PreprocessError as exc:
-            job["error"] = str(exc)
-
-    thread = threading.Thread(target=coordinator, daemon=True)
-    thread.start()
-    assert up.wait(30)
+    job, thread = remote_preprocess(csv, FEATURES, tmp_path / "out", TOKEN, lease_s=1.5)
     with httpx.Client(base_url=job["url"], headers=AUTH) as attacker:
         work = attacker.post("/v1/claim", json={"worker": "attacker"}).json()
         ids = {"worker": "attacker", "attempt": work["attempt"]}

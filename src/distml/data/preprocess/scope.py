@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import TypeAdapter, ValidationError
 
+from distml.config import describe_errors
 from distml.data.preprocess.output import JOB, TMP, OutputDir
 from distml.data.preprocess.protocol import (
     CsvShard,
@@ -86,7 +87,7 @@ class JobScope:
         try:
             model = _SHARD.validate_python(shard)
         except ValidationError as exc:
-            raise RefusedAnswer(f"a malformed shard: {_first_error(exc)}") from None
+            raise RefusedAnswer(f"a malformed shard: {describe_errors(exc, 1)}") from None
         if model.id >= int(self.job["shards"]):
             raise RefusedAnswer(f"shard {model.id}: the job has {self.job['shards']} shards")
         if model.kind != self.source.kind:
@@ -144,11 +145,6 @@ def _check_sql(shard: SqlShard, source: SqlSource) -> None:
         raise RefusedAnswer("the shard's database URL is not a URL") from None
     if (url, shard.table, shard.key) != (source.safe_url(), source.table, source.key):
         raise RefusedAnswer(f"table {shard.table!r} at {url} is not the job's input")
-
-
-def _first_error(exc: ValidationError) -> str:
-    error = exc.errors()[0]
-    return f"{'.'.join(map(str, error['loc']))}: {error['msg']}"
 
 
 _CHECKS = {"files": _check_files, "csv": _check_csv, "parquet": _check_parquet, "sql": _check_sql}
