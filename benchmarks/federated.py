@@ -25,6 +25,7 @@ from typing import Any
 
 from _common import RESULTS_DIR, machine_info, print_table, write_json
 
+from distml.federated.secure_aggregation import SecureAggregation
 from distml.federated.server import ServerConfig
 from distml.federated.strategy import LocalConfig, make_strategy
 from distml.jobs.fl_simulation import SimulationConfig, simulate
@@ -40,10 +41,11 @@ CONFIGS = [  # (name, E, B); B = 0 is all of a client's data in one batch
 def run(rounds: int, epochs: int, batch: int, args, *, fraction=0.1, secure=False):
     history: list[dict[str, Any]] = []
     sim = SimulationConfig(clients=100, partition="shards:2", processes=args.processes)
-    config = ServerConfig(model=args.model, rounds=rounds, min_available=100,
-                          secure_aggregation=secure)  # fmt: skip
+    config = ServerConfig(model=args.model, rounds=rounds, min_available=100)
     local = LocalConfig(epochs=epochs, batch_size=batch, lr=args.lr)
     strategy = make_strategy("fedavg", fraction_fit=fraction, local=local)
+    if secure:
+        strategy = SecureAggregation(strategy)
     summary = simulate(sim, config, strategy, on_round=history.append)
     return summary, history
 

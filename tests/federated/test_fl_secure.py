@@ -14,6 +14,7 @@ from distml.data import digits
 from distml.federated.app import create_fl_app
 from distml.federated.client import FederatedClient, run_clients
 from distml.federated.secagg import SecAggClient, SecAggParams
+from distml.federated.secure_aggregation import SecureAggregation
 from distml.federated.server import FederatedServer, ServerConfig
 from distml.federated.strategy import LocalConfig, make_strategy
 from distml.launch.elastic import free_port
@@ -28,11 +29,11 @@ DATA = {n: TensorDataset(*(t[i * 70 : i * 70 + 40 + 10 * i] for t in TRAIN.tenso
 
 def run_round(names, *, secure, silent=(), timeout=30.0, on_url=None):
     """One FedSGD round; clients in ``silent`` are selected but never send their update."""
-    config = ServerConfig(rounds=1, min_available=len(names), round_timeout_s=timeout,
-                          secure_aggregation=secure, secagg_threshold=0.5,
-                          secagg_stage_timeout_s=timeout)  # fmt: skip
+    config = ServerConfig(rounds=1, min_available=len(names), round_timeout_s=timeout)
     local = LocalConfig(epochs=1, batch_size=0, lr=0.5)
     strategy = make_strategy("fedavg", fraction_fit=1.0, local=local)
+    if secure:
+        strategy = SecureAggregation(strategy, threshold=0.5, stage_timeout_s=timeout)
     server = FederatedServer(config, strategy, digits("val"))
     tokens = {n: TOKENS[n] for n in names}
     with BackgroundServer(create_fl_app(server, tokens), free_port()) as bg:
@@ -121,8 +122,9 @@ def test_a_client_advertising_a_low_order_key_is_refused_and_the_honest_ones_fin
 
 
 def test_malformed_secure_aggregation_messages_are_answered_4xx():
-    config = ServerConfig(rounds=1, min_available=2, secure_aggregation=True, secagg_threshold=0.5)
-    server = FederatedServer(config, make_strategy("fedavg", fraction_fit=1.0), digits("val"))
+    config = ServerConfig(rounds=1, min_available=2)
+    strategy = SecureAggregation(make_strategy("fedavg", fraction_fit=1.0), threshold=0.5)
+    server = FederatedServer(config, strategy, digits("val"))
     with BackgroundServer(
         create_fl_app(server, {n: TOKENS[n] for n in NAMES[:2]}), free_port()
     ) as bg:

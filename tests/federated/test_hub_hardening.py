@@ -135,7 +135,9 @@ def test_a_loss_that_rises_at_unchanged_accuracy_is_refused(tmp_path):
 
 def test_a_model_whose_outputs_are_not_finite_is_not_a_version_0(tmp_path):
     broken = tmp_path / "broken.safetensors"
-    broken.write_bytes(encode_tensors(V0 | {"net.1.bias": torch.full((32,), 3e38)}))
+    # Finite weights whose logits overflow: every hidden unit near float32's largest, summed.
+    overflow = {"net.1.bias": torch.full((32,), 3e38), LAST: torch.ones_like(V0[LAST])}
+    broken.write_bytes(encode_tensors(V0 | overflow))
     with pytest.raises(ValueError, match="held-out outputs are not finite"):
         Hub(tmp_path / "hub", VAL, initial=broken)
     assert not (tmp_path / "hub" / "hub.json").exists()

@@ -40,7 +40,8 @@ def test_fedavg_one_full_batch_step_equals_large_batch_sgd():
         set_params(model, start)
         fit = train_local(model, data, epochs=1, batch_size=0, lr=0.5)
         updates.append(ClientUpdate(f"c{k}", fit.delta, fit.num_examples))
-    got = strategy.aggregate_fit(1, start, updates)
+    got, metrics = strategy.aggregate_fit(1, start, updates)
+    assert metrics == {}
     want = union_sgd_step(start, TensorDataset(x[: sum(sizes)], y[: sum(sizes)]), lr=0.5)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)

@@ -107,7 +107,7 @@ def test_batcher_never_runs_more_rows_than_its_cap(served):
 
 
 def test_a_request_the_model_fails_on_fails_alone(served):
-    poisoned = ServedModel("digits-cnn", served.spec, Poisoned(served.module))
+    poisoned = ServedModel("digits-cnn", served.entry, Poisoned(served.module))
     sizes: list[int] = []
     batcher = DynamicBatcher(poisoned.predict, max_batch_size=16, on_batch=sizes.append)
     xs = [torch.randn(2, 1, 8, 8) for _ in range(5)]
@@ -178,7 +178,7 @@ def test_numbers_outside_fp32_get_400(served, first):
 
 
 def test_an_input_the_model_fails_on_gets_422_and_the_replica_goes_on(served):
-    poisoned = ServedModel("digits-cnn", served.spec, Poisoned(served.module))
+    poisoned = ServedModel("digits-cnn", served.entry, Poisoned(served.module))
     with TestClient(create_replica_app(poisoned, TOKEN)) as client:
         r = client.post(INFER, content=raw(2, repr(POISON)), headers=AUTH)
         assert r.status_code == 422 and "failed on this input" in r.json()["error"]
@@ -199,7 +199,7 @@ class Amplified(nn.Module):
 
 def test_an_output_that_overflows_is_422_not_null(served):
     """3e38 is a valid FP32 value; the logits for it are not finite, and would be ``null``."""
-    amplified = ServedModel("digits-cnn", served.spec, Amplified(served.module))
+    amplified = ServedModel("digits-cnn", served.entry, Amplified(served.module))
     with TestClient(create_replica_app(amplified, TOKEN)) as client:
         r = client.post(INFER, content=raw(1, "3e38", "3e38"), headers=AUTH)
         assert r.status_code == 422 and "not finite" in r.json()["error"], r.text
@@ -274,7 +274,7 @@ def test_every_route_declares_its_request_body(served):
 def routed(served):
     """Two replicas (at most ``ROWS`` rows a request, a model that fails on ``POISON``) and a
     router in front of them."""
-    poisoned = ServedModel("digits-cnn", served.spec, Poisoned(served.module))
+    poisoned = ServedModel("digits-cnn", served.entry, Poisoned(served.module))
     apps = [
         create_replica_app(poisoned, TOKEN, max_batch_size=4, max_batch_rows=ROWS) for _ in "ab"
     ]
@@ -359,10 +359,11 @@ def test_a_router_whose_health_loop_stops_reports_unhealthy(served):
 
 def test_a_sequence_longer_than_the_gpt_takes_is_refused_before_the_model():
     """The GPT's sequences are free in length up to its position table's."""
-    from distml.models.registry import model_spec
+    from distml.models.registry import model_entry
 
-    spec = model_spec("gpt", {"vocab_size": 16, "seq_len": 4, "layers": 1, "hidden": 8, "heads": 2})
-    gpt = ServedModel("gpt", spec, spec.build().eval())
+    config = {"vocab_size": 16, "seq_len": 4, "layers": 1, "hidden": 8, "heads": 2}
+    entry = model_entry("gpt", config)
+    gpt = ServedModel("gpt", entry, entry.build().eval())
     path = "/v2/models/gpt/infer"
 
     def tokens(n: int) -> dict:

@@ -112,8 +112,8 @@ def payload_folder(ctx: distml.Context) -> dict:
     ctx.train_step(torch.ones(4, 2), lambda x: model(x).square().mean())
     ctx.finish()
     argv = Path("/proc/self/cmdline").read_bytes().decode().split("\0")
-    code = next(a for a in argv if "_ps_worker_main" in a)
-    folder = Path(re.search(r"_ps_worker_main\('(.+)'\)", code).group(1)).parent
+    code = next(a for a in argv if "_command_worker_main" in a)
+    folder = Path(re.search(r"_command_worker_main\('(.+)'\)", code).group(1)).parent
     info = folder.stat()
     return {"folder": str(folder), "mode": info.st_mode & 0o777, "owner": info.st_uid}
 

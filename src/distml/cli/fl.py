@@ -91,11 +91,13 @@ def _build(
     secagg_threshold: float = 0.6,
     secagg_clip: float = 1.0,
 ):
-    """The strategy, server settings and DP of a command line; a ValueError names what is wrong."""
+    """The strategy (wrapped in differential privacy and secure aggregation where asked) and the
+    server settings of a command line; a ValueError names what is wrong."""
     from pydantic import ValidationError
 
     from distml.config import format_validation_error, parse_options
     from distml.federated.privacy import ClientLevelDP
+    from distml.federated.secure_aggregation import SecAggSettings, SecureAggregation
     from distml.federated.server import ServerConfig
     from distml.federated.strategy import LocalConfig, make_strategy
 
@@ -111,12 +113,10 @@ def _build(
             min_available=min_available,
             round_timeout_s=round_timeout,
             quorum=quorum,
-            max_update_norm=dp_clip if dp_clip is not None else max_update_norm,
+            max_update_norm=max_update_norm,
             seed=seed,
-            secure_aggregation=secure_agg,
-            secagg_threshold=secagg_threshold,
-            secagg_clip=secagg_clip,
         )
+        secagg = SecAggSettings(threshold=secagg_threshold, clip=secagg_clip)
     except ValidationError as exc:
         raise ValueError(format_validation_error(exc)) from None
     built = make_strategy(
@@ -124,8 +124,11 @@ def _build(
     )
     if (dp_noise is None) != (dp_clip is None):
         raise ValueError("client-level DP needs both --dp-noise and --dp-clip")
-    dp = ClientLevelDP(dp_noise, dp_clip, dp_delta, seed=None) if dp_noise is not None else None
-    return built, config, dp
+    if dp_noise is not None:  # the round asks clients to clip to dp_clip; the server checks it
+        built = ClientLevelDP(built, dp_noise, dp_clip, dp_delta, seed=None)
+    if secure_agg:
+        built = SecureAggregation(built, **secagg.model_dump())
+    return built, config
 
 
 @fl_app.command()
@@ -172,7 +175,7 @@ def simulate(
     try:
         parse_partition(partition)
         parse_attack(attack)
-        built, config, dp = _build(
+        built, config = _build(
             strategy, fraction=fraction, min_clients=min_clients, epochs=epochs,
             batch_size=batch_size, lr=lr, model=model, rounds=rounds, min_available=clients,
             round_timeout=round_timeout, quorum=quorum, max_update_norm=max_update_norm,
@@ -207,7 +210,7 @@ def simulate(
             )
 
     try:
-        summary = run_simulation(sim, config, built, dp=dp, checkpoint_dir=checkpoint_dir,
+        summary = run_simulation(sim, config, built, checkpoint_dir=checkpoint_dir,
                                  on_round=show)  # fmt: skip
     except (ValueError, RuntimeError) as exc:
         fail_usage(str(exc))
@@ -264,7 +267,7 @@ def server(
 
     try:
         table = read_tokens(tokens, "client")
-        built, config, dp = _build(
+        built, config = _build(
             strategy, fraction=fraction, min_clients=min_clients, epochs=epochs,
             batch_size=batch_size, lr=lr, model=model, rounds=rounds,
             min_available=min_available, round_timeout=round_timeout, quorum=quorum,
@@ -272,9 +275,7 @@ def server(
             dp_delta=dp_delta, seed=seed, secure_agg=secure_agg,
             secagg_threshold=secagg_threshold, secagg_clip=secagg_clip,
         )  # fmt: skip
-        fl_server = FederatedServer(
-            config, built, digits("val"), dp=dp, checkpoint_dir=checkpoint_dir
-        )
+        fl_server = FederatedServer(config, built, digits("val"), checkpoint_dir=checkpoint_dir)
     except (OSError, ValueError) as exc:
         fail_usage(str(exc))
     serve(create_fl_app(fl_server, table), host, port, ssl_certfile=ssl_certfile,

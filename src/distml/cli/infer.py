@@ -19,10 +19,10 @@ if TYPE_CHECKING:
 def build_model(name: str, head: int | None, head_module: str | None) -> nn.Module:
     """A registry model, its head replaced as ``distml finetune --head`` replaced it: the
     architecture of a fine-tuned run's export."""
-    from distml.models.registry import model_spec
+    from distml.models.registry import model_entry
     from distml.train.finetune import last_linear, replace_head
 
-    model = model_spec(name).build()
+    model = model_entry(name).build()
     if head is not None:
         replace_head(model, head_module or last_linear(model), head)
     return model
@@ -54,10 +54,10 @@ def infer(
     """Write the model's outputs for DATA (or the GPT's continuations of PROMPTS) to OUT."""
     from distml.config import ConfigError, parse_mesh
     from distml.launch.elastic import LaunchError
-    from distml.models.registry import SPECS
+    from distml.models.registry import MODELS
 
-    if model not in SPECS:
-        fail_usage(f"unknown --model {model!r}; expected one of {sorted(SPECS)}")
+    if model not in MODELS:
+        fail_usage(f"unknown --model {model!r}; expected one of {sorted(MODELS)}")
     if batch_size < 1:
         fail_usage(f"--batch-size must be >= 1, got {batch_size}")
     if (model == "gpt") != (prompts is not None):

@@ -228,17 +228,18 @@ def run(
     if not module and not Path(script).is_file():
         fail_usage(f"no such script: {script}")
     target = ["-m", script] if module else [script]
-    if cfg.strategy.name != "ps":
+    from distml.jobs.strategy_jobs import strategy_job
+
+    job = strategy_job(cfg.strategy.name)  # what the strategy starts besides its workers
+    if job is None:
         from distml.launch.forkserver import start_fork_server
 
         start_fork_server()  # its torch import runs alongside this process's, just below
     from distml.launch.elastic import LaunchError, run_program, run_workers
 
     try:
-        if cfg.strategy.name == "ps":
-            from distml.jobs.ps import run_ps_job
-
-            run_ps_job(cfg, [sys.executable, "-u", *target, *ctx.args])
+        if job is not None:
+            job(cfg, [sys.executable, "-u", *target, *ctx.args])
         else:
             run_workers(cfg, run_program, ([*target, *ctx.args], os.getcwd()))
     except ConfigError as exc:

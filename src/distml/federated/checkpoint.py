@@ -1,7 +1,7 @@
 """The federated server's checkpoint, written after every completed round: one safetensors file
-with the global model and the server optimizer's state as tensors, and the rest (round, history,
-privacy ledger) as JSON in its metadata. It is written to a temporary name and renamed, so a
-crash leaves the previous round's checkpoint whole. No pickle.
+with the global model and the strategy's state (a server optimizer's moments, a privacy ledger)
+as tensors, and the rest (round, history, clients) as JSON in its metadata. It is written to a
+temporary name and renamed, so a crash leaves the previous round's checkpoint whole. No pickle.
 """
 
 from __future__ import annotations
@@ -45,4 +45,9 @@ def load_checkpoint(
     tensors = load_file(path)
     params = {k[6:]: t for k, t in tensors.items() if k.startswith("param/")}
     strategy = {k[9:]: t for k, t in tensors.items() if k.startswith("strategy/")}
+    legacy = state.pop("dp", None)  # the privacy ledger, before it was the strategy's state
+    if isinstance(legacy, dict) and legacy.get("history"):
+        from distml.federated.privacy import ledger_of
+
+        strategy = ledger_of(legacy["history"]) | strategy
     return params, strategy, state

@@ -49,7 +49,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from distml.federated.task import (
-    MODELS,
+    FEDERATED_MODELS,
     Params,
     build_model,
     evaluate,
@@ -96,8 +96,8 @@ class HubConfig(BaseModel):
     @field_validator("model")
     @classmethod
     def _known(cls, name: str) -> str:
-        if name not in MODELS:
-            raise ValueError(f"unknown model {name!r}; expected one of {sorted(MODELS)}")
+        if name not in FEDERATED_MODELS:
+            raise ValueError(f"unknown model {name!r}; expected one of {sorted(FEDERATED_MODELS)}")
         return name
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from distml.federated.hub import ContributionRefused, Hub, linear_layers
-from distml.federated.task import MODELS, Params, build_model, set_params, train_local
+from distml.federated.task import FEDERATED_MODELS, Params, build_model, set_params, train_local
 from distml.net import (
     ServiceClient,
     ServiceError,
@@ -153,7 +153,9 @@ class HubClient:
         try:
             tensors, meta = decode_tensors(body)
             number = meta.get("version", "")
-            if meta.get("model") not in MODELS or not (number.isdigit() and len(number) < 11):
+            if meta.get("model") not in FEDERATED_MODELS or not (
+                number.isdigit() and len(number) < 11
+            ):
                 raise ValueError(f"metadata model={meta.get('model')!r}, version={number!r}")
         except ValueError as exc:
             raise ServiceError(f"GET /v1/model: not a model of a hub: {str(exc)[:200]}") from None

@@ -23,14 +23,12 @@ for Privacy-Preserving Machine Learning" (CCS '17), in four stages per round:
    the survivors' inputs.
 
 **Why a prime field, by hand.** pycryptodome's ``Shamir.split`` does GF(2^128) arithmetic in
-pure Python: 37-52 ms per split at t = 60, n = 100. With three splits per client (b_u and the
-two halves of a 32-byte s_sk_u), sharing keys took 12-16 s of client time in a 100-client round
-(L = 40,000) whose plain version took 0.64 s in all, and the server's GF(2^128) rebuild 0.3 s.
-Over Z_p Python's own integers do the work: a split (Horner's rule at x = 1..n) takes 0.5-0.7
-ms, the share stage of that round 0.8-0.9 s over all clients (now mostly the 99 X25519 exchanges
-per client), and the server's unmask 0.01 s (0.1 s when 10 clients drop, whose pairwise masks
-it recomputes). The server computes the Lagrange coefficients at 0 once per round, for the t
-revealers it uses, and every secret reuses them.
+pure Python, and with three splits per client (b_u and the two halves of a 32-byte s_sk_u) the
+key sharing of a 100-client round took many times the whole plain round. Over Z_p Python's own
+integers do the work: a split is Horner's rule at x = 1..n, about a hundredth of the cost, and
+the share stage is left dominated by the X25519 exchanges (the figures are in BENCHMARKS.md,
+"Federated learning"). The server computes the Lagrange coefficients at 0 once per round, for
+the t revealers it uses, and every secret reuses them.
 
 Any t clients suffice at every stage: up to |U1| - t may drop out. There are no signatures and
 no consistency round, so the guarantee holds against a server that follows the protocol (and

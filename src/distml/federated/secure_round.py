@@ -1,6 +1,7 @@
 """A federated round under secure aggregation: the four stages of
 :mod:`distml.federated.secagg`, each closed when every expected client has answered or its
-deadline passes, driven by the server's round loop.
+deadline passes, driven by the server's round loop (the round's stages that
+:class:`~distml.federated.secure_aggregation.SecureAggregation` opens).
 
 What a client masks is ``[w * delta, w]``, its flattened delta scaled by its weight and the
 weight itself as a last coordinate: the unmasked sum then gives the weighted mean as
@@ -30,9 +31,18 @@ class StageError(ValueError):
 
 
 class SecureRound:
-    def __init__(self, names: list[str], params: SecAggParams):
+    def __init__(
+        self,
+        names: list[str],
+        params: SecAggParams,
+        *,
+        weight_scale: float | None = None,
+        stage_timeout_s: float = 30.0,
+    ):
         self.ids = {name: i for i, name in enumerate(sorted(names))}
         self.params = params
+        self.weight_scale = weight_scale  # None: every client weighs 1
+        self.stage_timeout_s = stage_timeout_s  # the key stages' deadline
         self.server = SecAggServer(params, list(self.ids.values()))
         self.stage = 0  # index into STAGES; len(STAGES) once the sum is unmasked
         self.failure: str | None = None
@@ -46,11 +56,20 @@ class SecureRound:
         return SecAggParams(threshold=min(t, clients), length=length, **options)
 
     def task(self, name: str) -> dict[str, Any]:
-        return {"id": self.ids[name], "params": self.params.model_dump()}
+        return {
+            "id": self.ids[name],
+            "params": self.params.model_dump(),
+            "weight_scale": self.weight_scale,
+        }
 
     @property
     def done(self) -> bool:
         return self.failure is not None or self.stage == len(STAGES)
+
+    @property
+    def training(self) -> bool:
+        """The open stage is the masked input: the clients train before they answer it."""
+        return not self.done and STAGES[self.stage] == "masked_input"
 
     def complete(self) -> bool:
         """Every client the open stage expects has answered."""

@@ -8,6 +8,13 @@ train under the same load, so a busy machine that slows them all does not drop t
 round that nobody answers closes ``availability_s`` later). Updates for a round that has closed
 are refused as late. A round without its quorum is run again with a fresh sample. A restarted
 server resumes after its last completed round.
+
+The server knows one strategy and asks it the same questions whatever it is: whom to ask
+(``configure_fit``), what to make of the answers (``aggregate_fit``, ``aggregate_evaluate``) and,
+for a strategy whose answers come in stages (secure aggregation), which stages the round goes
+through (``open_stages``); the server relays their messages. Differential privacy and secure
+aggregation are wrappers around the strategy (:mod:`distml.federated.wrapper`), chosen once by
+whoever builds the server.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ import math
 import random
 import secrets
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +32,10 @@ from pydantic import BaseModel, Field
 from torch.utils.data import TensorDataset
 
 from distml.federated.checkpoint import load_checkpoint, save_checkpoint
-from distml.federated.privacy import ClientLevelDP
-from distml.federated.secure_round import STAGES, SecureRound, StageError
-from distml.federated.strategy import ClientUpdate, Strategy
-from distml.federated.task import (
-    Params,
-    build_model,
-    evaluate,
-    get_params,
-    norm,
-    set_params,
-    unflatten,
-)
+from distml.federated.round import Round, summarize
+from distml.federated.secure_round import StageError
+from distml.federated.strategy import ClientUpdate, RoundStages, Strategy
+from distml.federated.task import Params, build_model, evaluate, get_params, norm, set_params
 from distml.net import LoopStopped
 
 # Rounds in a row that end in an error (not a missed quorum) before the server gives up: the
@@ -56,12 +54,6 @@ class ServerConfig(BaseModel):
     availability_s: float = Field(120.0, gt=0, description="silence after which a client is away")
     max_update_norm: float | None = Field(None, gt=0, description="refuse updates above it")
     seed: int = 0
-    secure_aggregation: bool = False
-    secagg_threshold: float = Field(0.6, gt=0, le=1, description="t as a fraction of selected")
-    secagg_clip: float = Field(1.0, gt=0, description="quantisation range of a coordinate")
-    secagg_frac_bits: int = Field(20, ge=0, le=30)
-    secagg_weight_scale: float = Field(100.0, gt=0, description="examples for weight 1")
-    secagg_stage_timeout_s: float = Field(30.0, gt=0, description="deadline of a key stage")
 
 
 class UpdateRejected(ValueError):
@@ -72,22 +64,6 @@ class UpdateRejected(ValueError):
         self.status = status
 
 
-@dataclass
-class Round:
-    number: int
-    attempt: int  # rounds opened so far, failed ones included: a rerun of a round is new
-    selected: list[str]
-    config: dict[str, Any]
-    deadline: float
-    started: float = field(default_factory=time.perf_counter)
-    updates: dict[str, ClientUpdate] = field(default_factory=dict)
-    open: bool = True
-    bytes_down: int = 0
-    bytes_up: int = 0
-    secure: SecureRound | None = None
-    arrivals: list[float] = field(default_factory=list)  # when each update came in
-
-
 class FederatedServer:
     def __init__(
         self,
@@ -95,18 +71,10 @@ class FederatedServer:
         strategy: Strategy,
         eval_data: TensorDataset,
         *,
-        dp: ClientLevelDP | None = None,
         checkpoint_dir: Path | None = None,
     ):
-        if dp is not None and strategy.needs_individual_updates:
-            raise ValueError(f"DP-FedAvg noises a mean; the {strategy.name} rule needs each update")
-        if config.secure_aggregation and strategy.needs_individual_updates:
-            raise ValueError(
-                f"secure aggregation shows only the sum; the {strategy.name} rule needs each update"
-            )
         self.config = config
         self.strategy = strategy
-        self.dp = dp
         self.eval_data = eval_data
         self.checkpoint_dir = checkpoint_dir
         self.model = build_model(config.model, config.seed)
@@ -143,9 +111,7 @@ class FederatedServer:
             return None
         task = {"round": r.number, "model": self.config.model, "config": r.config}
         if r.secure is not None:
-            task["secagg"] = r.secure.task(client) | {
-                "weight_scale": None if self.dp else self.config.secagg_weight_scale
-            }
+            task["secagg"] = r.secure.task(client)
         return task
 
     def status(self) -> dict[str, Any]:
@@ -193,6 +159,8 @@ class FederatedServer:
 
     # -- updates ----------------------------------------------------------------------------
     def check_update(self, delta: Params) -> None:
+        """Refuse an update that does not fit the model, holds a non-finite value, or is longer
+        than ``max_update_norm`` or the ``clip_norm`` the open round asked its clients for."""
         if set(delta) != set(self.params):
             missing, unknown = set(self.params) - set(delta), set(delta) - set(self.params)
             raise UpdateRejected(
@@ -206,7 +174,8 @@ class FederatedServer:
                 )
             if not torch.isfinite(t).all():
                 raise UpdateRejected(f"{name}: non-finite values")
-        bound = self.config.max_update_norm
+        clip = self.round.config.get("clip_norm") if self.round is not None else None
+        bound = min((b for b in (self.config.max_update_norm, clip) if b is not None), default=None)
         if bound is not None and norm(delta) > bound * (1 + 1e-5):
             raise UpdateRejected(f"update norm {norm(delta):.4g} is above the bound {bound:g}")
 
@@ -258,7 +227,7 @@ class FederatedServer:
             record = await self._finish_round(r)
         except Exception as exc:
             self._restore_state(saved)
-            await self._record(r, self._failed(r, f"error: {type(exc).__name__}: {exc}"))
+            await self._record(r, r.failed(f"error: {type(exc).__name__}: {exc}"))
             self.round_errors += 1
             if self.round_errors >= MAX_ROUND_ERRORS:
                 raise LoopStopped(f"{self.round_errors} rounds in a row ended in an error") from exc
@@ -283,17 +252,15 @@ class FederatedServer:
             self.finished = True
             self._cond.notify_all()
 
-    def _saved_state(self) -> tuple[Params, dict[str, torch.Tensor], dict[str, Any] | None]:
-        """What aggregating a round changes, to put back if it fails half-way."""
-        dp = self.dp.state() if self.dp is not None else None
-        return dict(self.params), dict(self.strategy.state_dict()), dp
+    def _saved_state(self) -> tuple[Params, dict[str, torch.Tensor]]:
+        """What aggregating a round changes, to put back if it fails half-way: the model and the
+        strategy's state (a server optimizer's moments, a privacy ledger)."""
+        return dict(self.params), dict(self.strategy.state_dict())
 
-    def _restore_state(self, saved) -> None:
-        params, strategy_state, dp = saved
+    def _restore_state(self, saved: tuple[Params, dict[str, torch.Tensor]]) -> None:
+        params, strategy_state = saved
         self.params = params
         self.strategy.load_state_dict(strategy_state)
-        if self.dp is not None:
-            self.dp.load_state(dp)
 
     def round_size(self) -> int:
         """How many clients the open round selected (0 when none is open)."""
@@ -306,30 +273,16 @@ class FederatedServer:
             number = self.completed + 1
             rng = random.Random(f"{self.config.seed}:{len(self.history)}")  # a rerun draws anew
             selected, cfg = self.strategy.configure_fit(number, self.available(), rng)
-            if self.dp is not None:
-                cfg["clip_norm"] = self.dp.clip_norm
-            wait = self.config.round_timeout_s + (
-                0.0 if self.config.secure_aggregation else self.config.availability_s
-            )
-            deadline = time.monotonic() + wait
+            stages = self.strategy.open_stages(number, selected, self.params)
+            deadline = time.monotonic() + self.config.round_timeout_s + self.config.availability_s
             self.round = Round(number, len(self.history) + 1, selected, cfg, deadline)
-            if self.config.secure_aggregation:
-                self.round.secure = self._secure_round(selected)
+            self.round.secure = stages
             self._cond.notify_all()
             return self.round
 
-    def _secure_round(self, selected: list[str]) -> SecureRound:
-        c = self.config
-        length = sum(p.numel() for p in self.params.values()) + 1  # the weight rides along
-        params = SecureRound.params_for(
-            len(selected), length, c.secagg_threshold, clip=c.secagg_clip,
-            frac_bits=c.secagg_frac_bits,
-        )  # fmt: skip
-        return SecureRound(selected, params)
-
     async def _collect(self, r: Round) -> None:
         """Wait for every selected client's update, or the deadline; then close the round.
-        Under secure aggregation, the same for each stage of the protocol."""
+        A round in stages does the same for each stage."""
         async with self._cond:
             if r.secure is None:
                 await self._wait(lambda: len(r.updates) > 0, r.deadline)
@@ -339,10 +292,11 @@ class FederatedServer:
                     await self._wait(lambda: len(r.updates) == len(r.selected), deadline)
             else:
                 while not r.secure.done:
-                    training = STAGES[r.secure.stage] == "masked_input"
-                    timeout = self.config.round_timeout_s if training else (
-                        self.config.secagg_stage_timeout_s
-                    )  # fmt: skip
+                    timeout = (
+                        self.config.round_timeout_s
+                        if r.secure.training
+                        else r.secure.stage_timeout_s
+                    )
                     await self._wait(r.secure.complete, time.monotonic() + timeout)
                     r.secure.close_stage()
                     self._cond.notify_all()
@@ -357,7 +311,7 @@ class FederatedServer:
             pass
 
     # -- secure aggregation's messages ------------------------------------------------------
-    def _secure(self, client: str, round_number: int) -> SecureRound:
+    def _secure(self, client: str, round_number: int) -> RoundStages:
         r = self.round
         if r is None or r.number != round_number or not r.open or r.secure is None:
             raise UpdateRejected(f"round {round_number} takes no secure-aggregation messages", 409)
@@ -395,18 +349,17 @@ class FederatedServer:
 
     async def _finish_round(self, r: Round) -> dict[str, Any]:
         updates = list(r.updates.values())
-        record = self._entry(r)
-        answered = record["participants"]
         needed = max(1, math.ceil(self.config.quorum * len(r.selected)))
-        if answered < needed or (r.secure is not None and r.secure.total is None):
-            reason = r.secure.failure if r.secure is not None else None
-            return self._failed(r, reason)
-        available = max(len(self.available()), len(r.selected))
-        params = await asyncio.to_thread(self._aggregate, r, updates, available)
+        failure = r.secure.failure if r.secure is not None else None
+        if r.answered() < needed or failure is not None:
+            return r.failed(failure)
+        params, fit_metrics = await asyncio.to_thread(
+            self.strategy.aggregate_fit, r.number, self.params, updates
+        )
         if not all(bool(torch.isfinite(t).all()) for t in params.values()):
             raise ValueError(f"round {r.number}: the aggregate holds NaN or infinity")
         self.params = params
-        record.update(await asyncio.to_thread(self._evaluate))
+        record = r.entry() | await asyncio.to_thread(self._evaluate)
         fed = self.strategy.aggregate_evaluate(
             [
                 u.metrics | {"num_examples": u.num_examples}
@@ -415,58 +368,9 @@ class FederatedServer:
             ]
         )
         record.update({f"client_{k}": v for k, v in fed.items()})
-        if updates:
-            losses = [u.metrics.get("train_loss", 0.0) for u in updates]
-            record["train_loss"] = sum(losses) / len(losses)
-            # Synchronisation overhead: how long the first update waited for the last.
-            record["straggler_wait_s"] = max(r.arrivals) - min(r.arrivals)
-            energy = [u.metrics["energy_j"] for u in updates if "energy_j" in u.metrics]
-            record["energy_j"] = sum(energy) if energy else None
-        if self.dp is not None:
-            record["epsilon"] = self.dp.epsilon()
-        record["status"] = "completed"
-        record["duration_s"] = time.perf_counter() - r.started
-        return record
-
-    @staticmethod
-    def _entry(r: Round) -> dict[str, Any]:
-        """What every round's history entry says, completed or not: who answered, the bytes."""
-        answered = len(r.updates) if r.secure is None else r.secure.survivors()
-        record: dict[str, Any] = {
-            "round": r.number,
-            "selected": len(r.selected),
-            "participants": answered,
-            "dropped": len(r.selected) - answered,
-            "bytes_down": r.bytes_down,
-            "bytes_up": r.bytes_up,
-        }
-        if r.secure is not None:
-            record["secure"] = True
-        return record
-
-    def _failed(self, r: Round, reason: str | None) -> dict[str, Any]:
-        record = self._entry(r)
-        record["status"] = "failed"
-        record["duration_s"] = time.perf_counter() - r.started
-        if reason:
-            record["reason"] = reason
-        return record
-
-    def _aggregate(self, r: Round, updates: list[ClientUpdate], available: int) -> Params:
-        if r.secure is not None:
-            vector = r.secure.total.double()
-            if self.dp is None:  # sum of w * delta over sum of w: the weighted mean
-                return self.strategy.apply(
-                    self.params, unflatten((vector[:-1] / vector[-1]).float(), self.params)
-                )
-            total = unflatten(vector[:-1].float(), self.params)
-        elif self.dp is None:
-            return self.strategy.aggregate_fit(r.number, self.params, updates)
-        else:
-            total = {n: sum(u.delta[n] for u in updates) for n in self.params}
-        mean = self.dp.noisy_mean(total, len(r.selected))
-        self.dp.account_round(len(r.selected) / available)
-        return self.strategy.apply(self.params, mean)
+        record.update(r.client_figures())
+        record.update(fit_metrics)
+        return record | {"status": "completed", "duration_s": r.duration_s()}
 
     def _evaluate(self) -> dict[str, float]:
         set_params(self.model, self.params)
@@ -483,7 +387,6 @@ class FederatedServer:
                 "completed": self.completed,
                 "history": self.history,
                 "clients": sorted(self.clients),
-                "dp": self.dp.state() if self.dp else None,
                 "strategy": self.strategy.name,
                 "model": self.config.model,
             },
@@ -504,22 +407,6 @@ class FederatedServer:
         # availability_s, as they would have without the restart.
         now = time.monotonic()
         self.clients = {name: now for name in state.get("clients", [])}
-        if self.dp is not None and state.get("dp"):
-            self.dp.load_state(state["dp"])
 
     def summary(self) -> dict[str, Any]:
-        done = [h for h in self.history if h["status"] == "completed"]
-        last = done[-1] if done else {}
-        return {
-            "rounds": self.completed,
-            "accuracy": last.get("accuracy"),
-            "loss": last.get("loss"),
-            "epsilon": last.get("epsilon"),
-            "failed_rounds": len(self.history) - len(done),
-            "late_updates": self.late,
-            "bytes_down": sum(h["bytes_down"] for h in self.history),
-            "bytes_up": sum(h["bytes_up"] for h in self.history),
-            "straggler_wait_s": sum(h.get("straggler_wait_s", 0.0) for h in done),
-            "energy_j": sum(h.get("energy_j") or 0.0 for h in done),
-            "energy_source": "estimated: clients' training CPU time x 10 W/core",
-        }
+        return summarize(self.history, self.completed, self.late)

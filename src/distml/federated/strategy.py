@@ -3,8 +3,15 @@
 
 Aggregation is two steps, so that rules compose: ``combine`` turns the clients' deltas into one
 delta (a weighted mean, a median, Krum's choice...), and ``apply`` moves the global model by it
-(plainly, or with a server optimizer). Secure aggregation and differential privacy replace
-``combine`` by a (masked, or noisy) mean and keep ``apply``.
+(plainly, or with a server optimizer). ``aggregate_sum`` is the same from the weighted sum of the
+deltas alone, which is all that secure aggregation reveals.
+
+Differential privacy and secure aggregation are not strategies of their own but wrappers around
+any one (:mod:`distml.federated.wrapper`), as Flower's DP wrappers are:
+:class:`~distml.federated.privacy.ClientLevelDP` replaces the mean by a noisy one and keeps the
+inner ``apply``; :class:`~distml.federated.secure_aggregation.SecureAggregation` opens the
+stages through which a round's masked updates arrive (``open_stages``) and hands the unmasked
+sum to the strategy it wraps. The server asks whatever it is given the same questions.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from pydantic import BaseModel, Field
@@ -41,12 +48,46 @@ class LocalConfig(BaseModel):
         return self.model_dump()
 
 
+class RoundStages(Protocol):
+    """The stages through which a round's answers reach the server in place of plain updates
+    (secure aggregation's; :class:`~distml.federated.secure_round.SecureRound`). The server
+    relays each client's messages and views, and closes a stage once every client it expects
+    has answered or its deadline has passed."""
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def failure(self) -> str | None: ...
+
+    @property
+    def training(self) -> bool:
+        """The open stage is the one in which the clients train (it gets the round's timeout)."""
+        ...
+
+    @property
+    def stage_timeout_s(self) -> float: ...
+
+    def task(self, name: str) -> dict[str, Any]: ...
+
+    def complete(self) -> bool: ...
+
+    def close_stage(self) -> None: ...
+
+    def receive(self, name: str, stage: str, payload: Any) -> None: ...
+
+    def view(self, name: str, stage: str) -> Any: ...
+
+    def survivors(self) -> int: ...
+
+
 class Strategy:
     """FedAvg's life cycle (McMahan et al. 2017): sample a fraction C of the available clients,
     at least ``min_fit_clients``; average their deltas weighted by example counts."""
 
     name = "fedavg"
     needs_individual_updates = False  # robust rules must see each update: no secure aggregation
+    weighs_examples = True  # a client's weight in the mean is its example count
 
     def __init__(
         self,
@@ -75,10 +116,28 @@ class Strategy:
         chosen = rng.sample(sorted(available), self.num_fit_clients(len(available)))
         return sorted(chosen), self.local.to_dict()
 
+    def open_stages(
+        self, server_round: int, selected: list[str], params: Params
+    ) -> RoundStages | None:
+        """The stages through which this round's answers arrive, or None: plain updates."""
+        del server_round, selected, params
+        return None
+
     def aggregate_fit(
         self, server_round: int, params: Params, updates: list[ClientUpdate]
-    ) -> Params:
-        return self.apply(params, self.combine(updates))
+    ) -> tuple[Params, dict[str, float]]:
+        """The new global parameters from the round's updates, and metrics for its record."""
+        del server_round
+        return self.apply(params, self.combine(updates)), {}
+
+    def aggregate_sum(
+        self, server_round: int, params: Params, total: Params, weight: float
+    ) -> tuple[Params, dict[str, float]]:
+        """As :meth:`aggregate_fit`, from the weighted sum of the deltas and the sum of the
+        weights alone: their weighted mean, applied."""
+        del server_round
+        mean = {name: (t / weight).to(params[name].dtype) for name, t in total.items()}
+        return self.apply(params, mean), {}
 
     def combine(self, updates: list[ClientUpdate]) -> Params:
         total = sum(u.num_examples for u in updates)
@@ -268,7 +327,7 @@ class MultiKrum(Krum):
         super().__init__(byzantine=byzantine, m=m, **kwargs)
 
 
-STRATEGIES: dict[str, type[Strategy]] = {
+FL_STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
     for cls in (
         FedAvg,
@@ -282,15 +341,15 @@ STRATEGIES: dict[str, type[Strategy]] = {
         MultiKrum,
     )  # fmt: skip
 }
-STRATEGIES["fedsgd"] = FedAvg  # FedAvg with E = 1, B = all (set by the local config)
+FL_STRATEGIES["fedsgd"] = FedAvg  # FedAvg with E = 1, B = all (set by the local config)
 
 
 def make_strategy(name: str, **kwargs: Any) -> Strategy:
-    """The strategy called ``name`` (see :data:`STRATEGIES`); options a strategy does not take
-    are refused with their names."""
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; expected one of {sorted(STRATEGIES)}")
-    cls = STRATEGIES[name]
+    """The federated strategy called ``name`` (see :data:`FL_STRATEGIES`); options a strategy
+    does not take are refused with their names."""
+    if name not in FL_STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; expected one of {sorted(FL_STRATEGIES)}")
+    cls = FL_STRATEGIES[name]
     try:
         return cls(**kwargs)
     except TypeError as exc:

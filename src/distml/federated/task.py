@@ -1,5 +1,6 @@
-"""What a federation trains: the model (by name, so that no code travels), how a client trains
-it on its own data, and how a model is evaluated.
+"""What a federation trains: the model (by name from :mod:`distml.models.registry`, so that no
+code travels), how a client trains it on its own data, and how a model is evaluated (by
+:func:`distml.train.evaluate.evaluate`, in this one process).
 
 A client's update is the *delta* of its parameters, ``local - global``: the quantity the
 strategies average, the robust rules compare, differential privacy clips and secure aggregation
@@ -9,7 +10,6 @@ masks.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,22 +17,23 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from distml.models import MLP, DigitsCNN
+from distml.models.registry import model_entry
+from distml.train.evaluate import evaluate as evaluate_metrics
 
-MODELS: dict[str, Callable[[], nn.Module]] = {
-    "digits-mlp": lambda: MLP((64, 32, 10)),
-    "digits-cnn": lambda: DigitsCNN(),
-}
+# The registry's models a federation trains: classifiers of the digits, whose clients' data are
+# (image, label) pairs.
+FEDERATED_MODELS: tuple[str, ...] = ("digits-mlp", "digits-cnn")
 
 Params = dict[str, torch.Tensor]
 
 
 def build_model(name: str, seed: int = 0) -> nn.Module:
-    """A fresh model of architecture ``name`` (see :data:`MODELS`), initialised from ``seed``."""
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; expected one of {sorted(MODELS)}")
+    """A fresh model of architecture ``name`` (one of :data:`FEDERATED_MODELS`), initialised
+    from ``seed``."""
+    if name not in FEDERATED_MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {sorted(FEDERATED_MODELS)}")
     torch.manual_seed(seed)
-    return MODELS[name]()
+    return model_entry(name).build()
 
 
 def get_params(model: nn.Module) -> Params:
@@ -118,14 +119,10 @@ def train_local(
     return FitResult(delta, n, sum(losses) / max(len(losses), 1))
 
 
-@torch.no_grad()
 def evaluate(model: nn.Module, data: TensorDataset, batch_size: int = 512) -> dict[str, float]:
-    """Mean cross-entropy and accuracy of ``model`` on ``data``."""
-    model.eval()
-    loss, correct = 0.0, 0
-    for x, y in DataLoader(data, batch_size=batch_size):
-        logits = model(x)
-        loss += float(F.cross_entropy(logits, y, reduction="sum"))
-        correct += int((logits.argmax(1) == y).sum())
-    n = max(len(data), 1)
-    return {"loss": loss / n, "accuracy": correct / n, "num_examples": len(data)}
+    """Mean cross-entropy and accuracy of ``model`` on the whole of ``data``, in this process."""
+    device = next(model.parameters()).device
+    metrics = evaluate_metrics(
+        model, data, ["loss", "accuracy"], device=device, batch_size=batch_size, shard=(0, 1)
+    )
+    return {"loss": metrics["loss"], "accuracy": metrics["accuracy"], "num_examples": len(data)}

@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 from distml.config import ConfigError, GPTConfig, RunConfig, build_config, format_validation_error
 from distml.launch.api import launch
 from distml.models.gpt import lm_loss
-from distml.models.registry import model_spec
+from distml.models.registry import model_entry
 from distml.train.checkpoint import (
     check_weights,
     load_weights,
@@ -94,7 +94,7 @@ def build_base(spec: FineTuneSpec) -> nn.Module:
     """The plain model of the spec's architecture, before its base weights are loaded."""
     config = spec.gpt.model_dump() if spec.model == "gpt" and spec.gpt is not None else {}
     try:
-        return model_spec(spec.model, config).build()
+        return model_entry(spec.model, config).build()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from distml.federated.partition import partition
-from distml.federated.privacy import ClientLevelDP
 from distml.federated.server import FederatedServer, ServerConfig
 from distml.federated.strategy import Strategy
 from distml.launch.forkserver import start_fork_server
@@ -63,11 +62,11 @@ def simulate(
     server_config: ServerConfig,
     strategy: Strategy,
     *,
-    dp: ClientLevelDP | None = None,
     checkpoint_dir: Path | None = None,
     on_round: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``server_config.rounds`` rounds with ``sim.clients`` virtual clients; the summary."""
+    """Run ``server_config.rounds`` rounds with ``sim.clients`` virtual clients; the summary.
+    ``strategy`` may be wrapped in differential privacy or secure aggregation."""
     from distml.data import digits
     from distml.federated.app import create_fl_app
 
@@ -78,9 +77,7 @@ def simulate(
     names = [f"client-{i:04d}" for i in range(sim.clients)]
     tokens = {name: secrets.token_urlsafe(24) for name in names}
     attackers = set(names[: round(sim.byzantine * sim.clients)])
-    server = FederatedServer(
-        server_config, strategy, digits("val"), dp=dp, checkpoint_dir=checkpoint_dir
-    )
+    server = FederatedServer(server_config, strategy, digits("val"), checkpoint_dir=checkpoint_dir)
     app = create_fl_app(server, tokens)
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -33,7 +33,6 @@ from distml.net import TOKEN_ENV, ServiceClient, ServiceError, decode_tensors
 from distml.ps.worker import SERVERS_ENV
 from distml.telemetry.console import print_summary
 from distml.telemetry.report import write_report
-from distml.telemetry.run_record import RunRecord
 from distml.telemetry.summary import summarize
 from distml.train.checkpoint import export_state, norm_of
 
@@ -212,26 +211,6 @@ def _supervise(
 
 
 # -- run files ------------------------------------------------------------------------------
-def worker_file(run_dir: Path, rank: int, attempt: int) -> Path:
-    return run_dir / "workers" / f"rank-{rank}-attempt-{attempt}.json"
-
-
-def write_worker_files(run: RunRecord, eval_metrics: dict[str, float]) -> dict[str, Any]:
-    """A worker's part of the run files: its step records and its evaluation."""
-    records = [r.to_json() for r in run.recorder.records]
-    path = worker_file(run.run_dir, run.rank, run.attempt)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    out = {
-        "rank": run.rank,
-        "attempt": run.attempt,
-        "records": records,
-        "eval": eval_metrics,
-        "energy_source": run.recorder.energy.source,
-    }
-    path.write_text(json.dumps(out))
-    return {"rank": run.rank, "steps": run.steps, "eval": eval_metrics}
-
-
 def _read_workers(run_dir: Path, world: int) -> tuple[list[list[dict]], dict[str, Any]]:
     """Every worker's step records (all its attempts, in order), and the evaluation of the
     lowest rank that made one."""

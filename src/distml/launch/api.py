@@ -9,6 +9,7 @@ import cloudpickle
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from distml.config import RunConfig, build_config
+from distml.jobs.strategy_jobs import Job, strategy_job
 from distml.launch.elastic import run_workers
 
 T = TypeVar("T")
@@ -25,8 +26,9 @@ def _trampoline(payload: bytes) -> Any:
         return fn(ctx, *args, **kwargs)
 
 
-def _ps_worker_main(payload_path: str) -> None:
-    """A parameter-server worker started by ``launch``: run the function, keep its result
+def _command_worker_main(payload_path: str) -> None:
+    """A worker of a strategy's job, started as a command by ``launch``: run the function, keep
+    its result
     (tensors, numbers, lists and dicts: what ``torch.load(weights_only=True)`` reads back)
     beside the payload, in the launcher's private folder."""
     import json
@@ -49,9 +51,10 @@ def _ps_worker_main(payload_path: str) -> None:
         torch.save(result, path.parent / f"result-rank-{ctx.rank}-{attempt}.pt")
 
 
-def _launch_ps(config: RunConfig, payload: bytes) -> Any:
-    """Hand this process's own function to the workers of a parameter-server job, which start
-    as commands (not forked), through files of a folder private to this user.
+def _launch_job(job: Job, config: RunConfig, payload: bytes) -> Any:
+    """Hand this process's own function to the workers of a strategy's job (a parameter
+    server's), which start as commands (not forked), through files of a folder private to this
+    user.
 
     The files are a pickle that each worker unpickles, so whoever could write them could run
     code as this user: they are never put where others may write (the run folder may be
@@ -65,15 +68,16 @@ def _launch_ps(config: RunConfig, payload: bytes) -> Any:
 
     import torch
 
-    from distml.jobs.ps import run_ps_job
-
     private = Path(tempfile.mkdtemp(prefix="distml-launch-"))
     try:
         path = private / "payload.pkl"
         path.write_bytes(payload)
         path.with_suffix(".path.json").write_text(json.dumps(sys.path))
-        code = f"from distml.launch.api import _ps_worker_main; _ps_worker_main({str(path)!r})"
-        run_ps_job(config, [sys.executable, "-u", "-c", code])
+        code = (
+            f"from distml.launch.api import _command_worker_main; "
+            f"_command_worker_main({str(path)!r})"
+        )
+        job(config, [sys.executable, "-u", "-c", code])
         results = sorted(private.glob("result-rank-0-*.pt"))
         return torch.load(results[-1], weights_only=True) if results else None
     finally:
@@ -102,7 +106,7 @@ def launch(
     if config is None:
         config = build_config(nproc=nproc, **settings)
     payload = cloudpickle.dumps((fn, args, {}))
-    if config.strategy.name == "ps":  # shards and workers, each process on its own
-        return _launch_ps(config, payload)
+    if (job := strategy_job(config.strategy.name)) is not None:  # e.g. shards and workers
+        return _launch_job(job, config, payload)
     results = run_workers(config, _trampoline, (payload,))
     return results.get(0)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 
-# What a worker needs: torch, and the Context that distml.launch's functions and distml run's
-# scripts build (the federated simulation's clients import their own few modules).
-WORKER_PRELOAD = ["torch", "distml.runtime.context"]
+# What a worker needs: torch, the Context that distml.launch's functions and distml run's
+# scripts build, and the default strategy's module, which the Context imports on first use (the
+# federated simulation's clients import their own few modules).
+WORKER_PRELOAD = ["torch", "distml.runtime.context", "distml.parallel.data"]
 
 
 def start_fork_server() -> None:

@@ -1,8 +1,8 @@
 """Models by name, so that a served or federated model is chosen by a word and never by code
 that travels: each name maps to a builder and the signature of its one input and one output.
 
->>> spec = model_spec("digits-cnn")
->>> spec.build()(torch.zeros(2, *spec.input.shape[1:])).shape
+>>> entry = model_entry("digits-cnn")
+>>> entry.build()(torch.zeros(2, *entry.input.shape[1:])).shape
 torch.Size([2, 10])
 """
 
@@ -36,30 +36,33 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelEntry:
+    """One model of the registry: how to build it, and the signature of its one input and one
+    output, which a replica serves and checks requests against."""
+
     name: str
     build: Callable[[], nn.Module]
     input: TensorSpec
     output: TensorSpec
 
 
-def _digits(name: str, build: Callable[[], nn.Module]) -> Callable[[dict[str, Any]], ModelSpec]:
-    def spec(config: dict[str, Any]) -> ModelSpec:
+def _digits(name: str, build: Callable[[], nn.Module]) -> Callable[[dict[str, Any]], ModelEntry]:
+    def entry(config: dict[str, Any]) -> ModelEntry:
         if config:
             raise ValueError(f"{name} takes no model config, got {sorted(config)}")
-        return ModelSpec(
+        return ModelEntry(
             name,
             build,
             TensorSpec("input", "FP32", (-1, 1, 8, 8)),
             TensorSpec("logits", "FP32", (-1, 10)),
         )
 
-    return spec
+    return entry
 
 
-def _gpt(config: dict[str, Any]) -> ModelSpec:
+def _gpt(config: dict[str, Any]) -> ModelEntry:
     cfg = GPTConfig(**config)
-    return ModelSpec(
+    return ModelEntry(
         "gpt",
         lambda: GPT(cfg),
         # Sequences of one request share a length; up to seq_len tokens each.
@@ -70,15 +73,15 @@ def _gpt(config: dict[str, Any]) -> ModelSpec:
     )
 
 
-SPECS: dict[str, Callable[[dict[str, Any]], ModelSpec]] = {
+MODELS: dict[str, Callable[[dict[str, Any]], ModelEntry]] = {
     "digits-mlp": _digits("digits-mlp", lambda: MLP((64, 32, 10))),
     "digits-cnn": _digits("digits-cnn", DigitsCNN),
     "gpt": _gpt,
 }
 
 
-def model_spec(name: str, config: dict[str, Any] | None = None) -> ModelSpec:
+def model_entry(name: str, config: dict[str, Any] | None = None) -> ModelEntry:
     """The builder and signature of architecture ``name``; ``config`` sizes it (GPT only)."""
-    if name not in SPECS:
-        raise ValueError(f"unknown model {name!r}; expected one of {sorted(SPECS)}")
-    return SPECS[name](dict(config or {}))
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {sorted(MODELS)}")
+    return MODELS[name](dict(config or {}))

@@ -10,6 +10,7 @@ the step recorder, so ``comm_bytes`` counts what was actually sent.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distml.comm.collectives import ring_wire_bytes
 from distml.config import StrategyConfig
+from distml.parallel.strategy import StrategyEnv, TrainingStrategy
 
 
 @dataclass
@@ -79,28 +81,34 @@ class Accounting(Protocol):
     def add_sync_wait(self, seconds: float) -> None: ...
 
 
-class DataParallel:
-    """The strategy object Context drives: DDP, plus what to account after each backward."""
+class DataParallel(TrainingStrategy):
+    """Every rank holds the whole model; DDP all-reduces the gradients during backward."""
 
-    def __init__(self, ddp: DDP, after_backward: Callable[[], None]):
-        self.model = ddp
-        self.after_backward = after_backward
+    def __init__(self, model: nn.Module, env: StrategyEnv):
+        ddp, after_backward = apply_ddp(model, env.config.strategy, env.device, env.recorder)
+        super().__init__(ddp, env)
+        self._after_backward = after_backward
 
-    def no_sync(self):
+    @property
+    def module(self) -> nn.Module:
+        return self.model.module
+
+    def no_sync(self) -> AbstractContextManager[None]:
         return self.model.no_sync()
 
-    def after_optimizer_step(self) -> float:
-        return 0.0  # DDP communicated during backward
+    def after_backward(self) -> None:
+        self._after_backward()
 
 
-def apply_data_parallel(
+def apply_ddp(
     model: nn.Module,
     cfg: StrategyConfig,
     device: torch.device,
     accounting: Accounting,
     group: dist.ProcessGroup | None = None,
-) -> DataParallel:
-    """Wrap ``model`` (already on ``device``) in DDP, with its traffic accounted.
+) -> tuple[DDP, Callable[[], None]]:
+    """Wrap ``model`` (already on ``device``) in DDP, with its traffic accounted; returns DDP
+    and what to account once a step's backward is done.
 
     Without compression no hook is registered: DDP's own C++ all-reduce is measurably faster
     than any Python hook (``benchmarks/ddp_overhead.py``). Its traffic is then known exactly
@@ -120,7 +128,7 @@ def apply_data_parallel(
             p.register_post_accumulate_grad_hook(lambda _: accounting.grads_ready())
         nbytes = sum(p.numel() * p.element_size() for p in params)
         wire = ring_wire_bytes("all_reduce", nbytes, world)
-        return DataParallel(ddp, lambda: accounting.add_comm("all_reduce", nbytes, wire))
+        return ddp, lambda: accounting.add_comm("all_reduce", nbytes, wire)
 
     hook, inner = _choose_hook(cfg, group)
     state = _AccountedState(inner, accounting, world, cfg.compression)
@@ -131,4 +139,4 @@ def apply_data_parallel(
         return _bucket_payload(state, bucket, hook)
 
     ddp.register_comm_hook(state, accounted)
-    return DataParallel(ddp, lambda: None)
+    return ddp, lambda: None  # the hook reports each bucket as it is handed over

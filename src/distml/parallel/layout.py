@@ -2,37 +2,51 @@
 
 ``apply_layout`` does what torchtitan's ``parallelize_llama`` does: cut the pipeline stages first,
 then on what this rank keeps apply tensor parallelism, then activation checkpointing, then FSDP
-(HSDP when ``dp`` > 1 too). The result, :class:`ModelParallel`, is the strategy object
-:class:`distml.runtime.context.Context` drives: one step's forward and backward (through a
-pipeline schedule when ``pp`` > 1), and a forward for evaluation and generation.
+(HSDP when ``dp`` > 1 too). The result, :class:`ModelParallel`, is the training strategy of
+such a mesh: one step's forward and backward (through a pipeline schedule when ``pp`` > 1), its
+collectives intercepted on sampled steps, a forward for evaluation and generation, and the whole
+state gathered from every rank's shards.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import Dataset
 
-from distml.config import ConfigError, RunConfig
+from distml.comm.accounting import CommAccounting
+from distml.config import ConfigError
 from distml.parallel.activation_checkpoint import checkpoint_blocks
-from distml.parallel.mesh import ParallelDims
 from distml.parallel.pipeline import (
     SCHEDULES,
     PipelinePlan,
     TimedStage,
     build_stages,
+    forward_through_stages,
+    pipeline_bubble,
     refresh_views,
 )
+from distml.parallel.precision import MixedPrecision
 from distml.parallel.sharded import apply_fsdp
+from distml.parallel.strategy import (
+    Loss,
+    Objective,
+    RecordFields,
+    StepTrace,
+    StrategyEnv,
+    TrainingStrategy,
+)
 from distml.parallel.tensor import apply_tensor_parallel, resolve_tp_plan
+from distml.telemetry.memory import ParameterPeak
+from distml.train.checkpoint import gather_full_state
+from distml.train.evaluate import Metric, evaluate
 
-Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _WRAPPED = "_checkpoint_wrapped_module."
 
 
@@ -69,29 +83,38 @@ def rebuild_optimizer(
     return rebuilt
 
 
-class ModelParallel:
+class ModelParallel(TrainingStrategy):
     """A model laid out on the mesh, with the step and the forward that the layout needs."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        dims: ParallelDims,
-        mesh: DeviceMesh,
-        config: RunConfig,
-        device: torch.device,
-        stages: list[TimedStage],
-    ):
-        self.model = model  # what this rank holds, under the plain model's parameter names
-        self.dims = dims
-        self.mesh = mesh
-        self.config = config
-        self.device = device
+    def __init__(self, model: nn.Module, env: StrategyEnv, stages: list[TimedStage]):
+        super().__init__(model, env)  # what this rank holds, under the plain model's names
+        self.dims = env.dims
+        self.mesh = env.mesh
+        self.config = env.config
+        self.device = env.device
         self.stages = stages
         self._schedule: Any = None
         self._schedule_loss: Loss | None = None
         self.span_s = 0.0
-        self.pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
-        self.fsdp = dims.data_parallel > 1 or dims.fsdp > 1
+        self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        self.fsdp = self.dims.data_parallel > 1 or self.dims.fsdp > 1
+        # FSDP's mixed-precision policy casts the parameters itself, and the layout's optimizer
+        # steps on its own (DTensor gradients): no autocast under FSDP, no loss scaling.
+        self.precision = MixedPrecision(
+            env.config.strategy.mixed_precision,
+            env.device,
+            autocast=not self.fsdp,
+            scale_loss=False,
+        )
+
+    @classmethod
+    def apply(
+        cls,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        env: StrategyEnv,
+    ) -> tuple[ModelParallel, torch.optim.Optimizer | None]:
+        return apply_layout(model, optimizer, env)
 
     # -- groups -----------------------------------------------------------------------------
     @property
@@ -102,40 +125,57 @@ class ModelParallel:
         return self.mesh["dp", "fsdp"]._flatten("data").get_group()
 
     # -- training ---------------------------------------------------------------------------
-    def forward_backward(
-        self,
-        batch: Any,
-        loss: Loss | None,
-        compute_loss: Callable[[Any], torch.Tensor] | None,
-        autocast: Callable[[], AbstractContextManager],
-        split: Callable[[Any, int], list[Any]],
-    ) -> float:
-        """Forward and backward of one step's batch; returns its mean loss on every rank."""
-        if self.dims.pp > 1:
-            if loss is None:
-                raise ValueError(
-                    "pipeline parallelism needs ctx.train_step((inputs, targets), loss=fn): "
-                    "the last stage computes fn(output, targets)"
-                )
-            return self._pipeline_step(batch, loss, autocast)
-        accum = self.config.strategy.grad_accum
-        total = len(batch[0] if isinstance(batch, (tuple, list)) else batch)
-        parts = split(batch, min(accum, total)) if accum > 1 else [batch]
-        value = torch.zeros((), device=self.device)
-        for i, micro in enumerate(parts):
-            if self.fsdp:  # reduce gradients once, with the last micro-batch
-                self.model.set_requires_gradient_sync(i == len(parts) - 1)
-            with autocast():
-                if loss is not None:
-                    out = loss(self.model(micro[0]), micro[1])
-                else:
-                    out = compute_loss(micro)
-            weight = len(micro[0] if isinstance(micro, (tuple, list)) else micro) / total
-            (out * weight).backward()
-            value += out.detach() * weight
-        return value.item()
+    @contextmanager
+    def traced(self, trace: StepTrace) -> Iterator[None]:
+        """On sampled steps every collective is intercepted as it happens, and the parameters
+        are seen at their largest (the end of a forward, under ZeRO-2).
 
-    def _pipeline_step(self, batch: Any, loss: Loss, autocast) -> float:  # noqa: ANN001
+        Intercepting means a Python dispatch mode that sees every operator (about a third of a
+        small model's step on the CPU), so it samples: a fixed layout and batch shape move the
+        same bytes every step, and the steps between samples repeat the last sample's bytes and
+        share of the step spent blocked in communication (``comm_measured: false``).
+        """
+        recorder = self.env.recorder
+        if trace.sampled:
+            comm = CommAccounting(recorder.add_comm)
+            params = ParameterPeak(self.model)
+            with comm, params:
+                yield
+            recorder.add_exposed(comm.blocked_s)
+            trace.params_peak = params.peak_bytes
+        else:
+            yield
+            recorder.repeat_comm(recorder.last_measured(), trace.backward_done)
+        if self.stages:
+            trace.pipeline = (self.busy_s, self.span_s)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        if not self.fsdp:
+            yield
+            return
+        self.model.set_requires_gradient_sync(False)  # reduce once, with the last micro-batch
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def forward_backward(
+        self, batch: Any, objective: Objective, weight: float, last: bool
+    ) -> torch.Tensor:
+        if self.dims.pp == 1:
+            return super().forward_backward(batch, objective, weight, last)
+        if objective.loss is None:
+            raise ValueError(
+                "pipeline parallelism needs ctx.train_step((inputs, targets), loss=fn): "
+                "the last stage computes fn(output, targets)"
+            )
+        return self._pipeline_step(batch, objective.loss) * weight
+
+    def after_backward(self) -> None:
+        pass  # the collectives are intercepted (or repeated) by traced(), not inferred
+
+    def _pipeline_step(self, batch: Any, loss: Loss) -> torch.Tensor:
         x, y = batch
         m = self.config.parallel.microbatches
         if len(x) % m:
@@ -147,7 +187,7 @@ class ModelParallel:
         for stage in self.stages:
             stage.busy_s = 0.0
         start = time.perf_counter()
-        with autocast():
+        with self.precision.autocast():
             args = (x,) if first else ()
             kwargs = {"target": y, "losses": losses} if last else {}
             schedule.step(*args, **kwargs)
@@ -155,7 +195,7 @@ class ModelParallel:
         value = torch.stack(losses).mean().detach() if last else torch.zeros((), device=x.device)
         src = dist.get_global_rank(self.pp_group, self.dims.pp - 1)
         dist.broadcast(value, src=src, group=self.pp_group)
-        return value.item()
+        return value
 
     def _pipeline_schedule(self, loss: Loss) -> Any:
         if self._schedule is None or self._schedule_loss is not loss:
@@ -195,73 +235,64 @@ class ModelParallel:
         if self.dims.pp == 1:
             return self.model(x)
         pp_rank = self.mesh["pp"].get_local_rank()
-        num_stages = self.stages[0].num_stages
-        by_id = {s.stage_index: s.submod for s in self.stages}
-        h = x
-        for stage_id in range(num_stages):
-            owner = stage_id % self.dims.pp
-            if owner == pp_rank:
-                if stage_id > 0 and (stage_id - 1) % self.dims.pp != pp_rank:
-                    h = _recv_tensor((stage_id - 1) % self.dims.pp, self.pp_group, self.device)
-                h = by_id[stage_id](h)
-                nxt = (stage_id + 1) % self.dims.pp
-                if stage_id < num_stages - 1 and nxt != pp_rank:
-                    _send_tensor(h, nxt, self.pp_group)
-        src = (num_stages - 1) % self.dims.pp
-        return _broadcast_tensor(h if pp_rank == src else None, src, self.pp_group, self.device)
+        return forward_through_stages(x, self.stages, pp_rank, self.pp_group, self.device)
 
+    def evaluate(
+        self,
+        model: nn.Module,
+        dataset: Dataset,
+        metrics: Mapping[str, Metric] | list[str] | None,
+        batch_size: int,
+    ) -> dict[str, float]:
+        """The whole model's forward runs through the layout, and the dataset is split over
+        the data-parallel ranks only (their tensor- and pipeline-parallel peers read the same
+        block)."""
+        return evaluate(
+            self.model,
+            dataset,
+            metrics,
+            device=self.device,
+            batch_size=batch_size,
+            group=self.data_group,
+            forward=self.forward,
+            shard=(self.dims.data_rank(self.env.rank), self.dims.data_parallel),
+        )
 
-def _header(t: torch.Tensor) -> torch.Tensor:
-    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape], dtype=torch.long)
+    # -- the whole model --------------------------------------------------------------------
+    def full_state_dict(self) -> tuple[dict[str, torch.Tensor], set[str]] | None:
+        return gather_full_state(self.model, self.dims.stage_leaders())
 
-
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
-
-
-def _send_tensor(t: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
-    header = _header(t)
-    dist.send(torch.tensor([len(header)]), group_dst=dst, group=group)
-    dist.send(header, group_dst=dst, group=group)
-    dist.send(t.contiguous(), group_dst=dst, group=group)
-
-
-def _recv_tensor(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
-    size = torch.zeros(1, dtype=torch.long)
-    dist.recv(size, group_src=src, group=group)
-    header = torch.zeros(int(size), dtype=torch.long)
-    dist.recv(header, group_src=src, group=group)
-    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-    t = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
-    dist.recv(t, group_src=src, group=group)
-    return t
-
-
-def _broadcast_tensor(
-    t: torch.Tensor | None, src: int, group: dist.ProcessGroup, device: torch.device
-) -> torch.Tensor:
-    header = _header(t) if t is not None else torch.zeros(8, dtype=torch.long)
-    size = torch.tensor([len(header)])
-    src_rank = dist.get_global_rank(group, src)
-    dist.broadcast(size, src=src_rank, group=group)
-    if t is None:
-        header = torch.zeros(int(size), dtype=torch.long)
-    dist.broadcast(header, src=src_rank, group=group)
-    if t is None:
-        ndim = int(header[1])
-        t = torch.empty(header[2 : 2 + ndim].tolist(), dtype=_DTYPES[int(header[0])], device=device)
-    dist.broadcast(t, src=src_rank, group=group)
-    return t
+    def record_fields(self) -> RecordFields:
+        """The layout, and the whole state gathered from every rank's shards (a collective)."""
+        par = self.config.parallel
+        layout: dict[str, Any] = {
+            **self.dims.as_dict(),
+            "activation_checkpointing": par.activation_checkpointing,
+            "sequence_parallel": par.sequence_parallel,
+            "reshard_after_forward": par.reshard_after_forward,
+        }
+        summary: dict[str, Any] = {"layout": layout}
+        if self.dims.pp > 1:
+            layout.update(
+                schedule=par.schedule,
+                microbatches=par.microbatches,
+                stages_per_rank=par.virtual_stages,
+            )
+            formula = pipeline_bubble(self.dims.pp, par.microbatches, par.virtual_stages)
+            summary["bubble"] = {"measured": None, "formula": formula}
+        return {
+            "mesh": self.dims.as_dict(),
+            "module": None,  # no rank holds the whole model
+            "full_state": self.full_state_dict(),
+            "summary": summary,
+        }
 
 
 def apply_layout(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    dims: ParallelDims,
-    mesh: DeviceMesh,
-    config: RunConfig,
-    device: torch.device,
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, env: StrategyEnv
 ) -> tuple[ModelParallel, torch.optim.Optimizer | None]:
     """Pipeline stages, then tensor parallelism, then activation checkpointing, then FSDP."""
+    config, dims, mesh, device = env.config, env.dims, env.mesh, env.device
     par = config.parallel
     old_names = {id(p): name for name, p in model.named_parameters()}
     tp_plan = resolve_tp_plan(model, par.tp_plan) if par.tp_plan is not None else None
@@ -299,9 +330,7 @@ def apply_layout(
             TimedStage(view, i, dims.pp * par.virtual_stages, device, group=group)
             for view, i in zip(views, ids, strict=True)
         ]
-    strategy = ModelParallel(
-        views[0] if dims.pp == 1 else model, dims, mesh, config, device, stages
-    )
+    strategy = ModelParallel(views[0] if dims.pp == 1 else model, env, stages)
     if optimizer is None:
         return strategy, None
     return strategy, rebuild_optimizer(optimizer, old_names, model)

@@ -12,24 +12,22 @@ all-reducing gradients every step.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from distml.comm.collectives import ring_wire_bytes
-from distml.config import StrategyConfig
-from distml.parallel.data import Accounting
+from distml.parallel.strategy import StrategyEnv, TrainingStrategy
 
 
-class LocalSGD:
-    """The strategy object Context drives: no per-step communication, a sync every H steps."""
+class LocalSGD(TrainingStrategy):
+    """No per-step communication: each rank steps alone, and every H steps the ranks sync."""
 
-    def __init__(self, model: nn.Module, cfg: StrategyConfig, accounting: Accounting):
-        self.model = model
+    def __init__(self, model: nn.Module, env: StrategyEnv):
+        super().__init__(model, env)
+        cfg = env.config.strategy
         self.every = cfg.sync_every
-        self.accounting = accounting
         self.params = [p for p in model.parameters() if p.requires_grad]
         for p in self.params:  # start from rank 0's parameters, whatever each rank initialised
             dist.broadcast(p.data, 0)
@@ -43,17 +41,17 @@ class LocalSGD:
         self.world = dist.get_world_size()
         self.steps = 0
 
-    def no_sync(self):
-        return nullcontext()
-
-    def after_backward(self) -> None:
-        self.accounting.grads_ready()
-
-    def after_optimizer_step(self) -> float:
-        """Count the step; every H steps, sync. Returns the seconds spent synchronising."""
+    def step(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+        """The inner step; every H of them, the sync. Returns the seconds spent synchronising."""
+        super().step(optimizer, step)
         self.steps += 1
         if self.steps % self.every:
             return 0.0
+        return self.sync()
+
+    def sync(self) -> float:
+        """Average the pseudo-gradients, apply them with the outer optimizer, and start every
+        rank from the result. Returns the seconds spent."""
         start = time.perf_counter()
         with torch.no_grad():
             deltas = [g - p for g, p in zip(self.global_params, self.params, strict=True)]
@@ -69,7 +67,7 @@ class LocalSGD:
             for g, p in zip(self.global_params, self.params, strict=True):
                 p.copy_(g)
         nbytes = flat.numel() * flat.element_size()
-        self.accounting.add_comm(
+        self.env.recorder.add_comm(
             "all_reduce", nbytes, ring_wire_bytes("all_reduce", nbytes, self.world)
         )
         return time.perf_counter() - start

@@ -68,6 +68,11 @@ class ParallelDims:
         c = self.coordinates(rank)
         return c["dp"] * self.fsdp + c["fsdp"]
 
+    def stage_leaders(self) -> list[int]:
+        """One global rank per pipeline stage: the first of each pp slice of the grid."""
+        per_stage = self.world_size // self.pp
+        return [k * per_stage for k in range(self.pp)]
+
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in ORDER}
 

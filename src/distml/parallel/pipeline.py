@@ -12,7 +12,8 @@ Schedules come from ``torch.distributed.pipelining``. Cutting the model is done 
 torchtitan does it: a stage is the same model with the blocks it does not own deleted, so every
 parameter keeps its name and checkpoints move between layouts by name. The model must keep its
 blocks in a ``ModuleDict`` named ``blocks`` and skip the top-level modules a stage sets to
-``None`` (:class:`distml.models.GPT` does).
+``None`` (:class:`distml.models.GPT` does). Forward-only work (evaluation, generation) runs the
+stages one after the other on the whole batch instead (:func:`forward_through_stages`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import copy
 import time
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -207,3 +210,71 @@ def refresh_views(model: nn.Module, views: list[nn.Module]) -> None:
     for view in views:
         keys = list(view._modules["blocks"])
         view._modules["blocks"] = nn.ModuleDict({k: blocks[k] for k in keys})
+
+
+def forward_through_stages(
+    x: torch.Tensor,
+    stages: list[TimedStage],
+    pp_rank: int,
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> torch.Tensor:
+    """The whole model's output for ``x``, on every pipeline rank: the stages run one after
+    the other on the whole batch, forward-only work of any batch size, without a schedule's
+    fixed micro-batch shapes. ``stages``: this rank's; ``pp_rank``: its place in ``group``."""
+    pp = group.size()
+    num_stages = stages[0].num_stages
+    by_id = {s.stage_index: s.submod for s in stages}
+    h = x
+    for stage_id in range(num_stages):
+        if stage_id % pp == pp_rank:
+            if stage_id > 0 and (stage_id - 1) % pp != pp_rank:
+                h = _recv_tensor((stage_id - 1) % pp, group, device)
+            h = by_id[stage_id](h)
+            nxt = (stage_id + 1) % pp
+            if stage_id < num_stages - 1 and nxt != pp_rank:
+                _send_tensor(h, nxt, group)
+    src = (num_stages - 1) % pp
+    return _broadcast_tensor(h if pp_rank == src else None, src, group, device)
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape], dtype=torch.long)
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
+
+
+def _send_tensor(t: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
+    header = _header(t)
+    dist.send(torch.tensor([len(header)]), group_dst=dst, group=group)
+    dist.send(header, group_dst=dst, group=group)
+    dist.send(t.contiguous(), group_dst=dst, group=group)
+
+
+def _recv_tensor(src: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    size = torch.zeros(1, dtype=torch.long)
+    dist.recv(size, group_src=src, group=group)
+    header = torch.zeros(int(size), dtype=torch.long)
+    dist.recv(header, group_src=src, group=group)
+    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+    t = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
+    dist.recv(t, group_src=src, group=group)
+    return t
+
+
+def _broadcast_tensor(
+    t: torch.Tensor | None, src: int, group: dist.ProcessGroup, device: torch.device
+) -> torch.Tensor:
+    header = _header(t) if t is not None else torch.zeros(8, dtype=torch.long)
+    size = torch.tensor([len(header)])
+    src_rank = dist.get_global_rank(group, src)
+    dist.broadcast(size, src=src_rank, group=group)
+    if t is None:
+        header = torch.zeros(int(size), dtype=torch.long)
+    dist.broadcast(header, src=src_rank, group=group)
+    if t is None:
+        ndim = int(header[1])
+        t = torch.empty(header[2 : 2 + ndim].tolist(), dtype=_DTYPES[int(header[0])], device=device)
+    dist.broadcast(t, src=src_rank, group=group)
+    return t

@@ -1,10 +1,13 @@
-"""The worker's side of a parameter server: the strategy object ``Context`` drives under
-``--strategy ps``.
+"""The worker's side of a parameter server: the training strategy of ``--strategy ps``.
 
 After backward, the worker pushes its gradients to every shard (in parallel, one connection per
 shard), then pulls the parameters back as soon as the consistency rule lets it, and copies them
-into its model. The local optimizer never steps: the servers own the optimizer state. Under ASP
-and SSP the worker's data loader claims its batches from the first shard, one at a time.
+into its model. The local optimizer never steps: the servers own the optimizer state, write the
+checkpoints (their snapshots) and tell a restarted worker where it resumes. Under ASP and SSP the
+worker's data loader claims its batches from the first shard, one at a time.
+
+The workers share no process group: each is a world of one, and the job that started them with
+their shards (:mod:`distml.jobs.ps`) gathers their records.
 """
 
 from __future__ import annotations
@@ -13,14 +16,17 @@ import json
 import os
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from distml.config import RunConfig
+from distml.data.loader import ShardedLoader
+from distml.data.sampler import ClaimedBatchSampler
 from distml.net import (
     ServiceClient,
     ServiceError,
@@ -28,7 +34,7 @@ from distml.net import (
     encode_tensors,
     token_from_env,
 )
-from distml.parallel.data import Accounting
+from distml.parallel.strategy import StrategyEnv, TrainingStrategy
 from distml.ps.optimizer_spec import describe_optimizer
 from distml.ps.placement import place_parameters
 
@@ -47,8 +53,8 @@ def servers_from_env() -> tuple[list[str], str]:
     return urls, token_from_env()
 
 
-class ParameterServerWorker:
-    """Worker ``rank`` of a parameter-server job whose shards listen at ``urls``.
+class ParameterServerWorker(TrainingStrategy):
+    """Worker ``env.rank`` of a parameter-server job whose shards listen at ``urls``.
 
     Every worker computes the same placement of the model's parameters over the shards; worker 0
     sends the initial parameters and the optimizer's description (each shard keeps the first it
@@ -57,20 +63,22 @@ class ParameterServerWorker:
     shards).
     """
 
+    joins_process_group = False
+    counts_memory = False  # the servers hold the optimizer state
+
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        rank: int,
+        env: StrategyEnv,
         urls: list[str],
         token: str,
-        accounting: Accounting,
         heartbeat_s: float = 2.0,
         consistency: str | None = None,
     ):
-        self.model = model
-        self.rank = rank
-        self.accounting = accounting
+        super().__init__(model, env)
+        self.rank = env.rank
+        self.accounting = env.recorder
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.placement = place_parameters(self.params, len(urls))
         self.clients = [ServiceClient(u, token) for u in urls]
@@ -90,18 +98,37 @@ class ParameterServerWorker:
         )
         self._heartbeat.start()
 
-    # -- the strategy interface Context drives ---------------------------------------------
-    def no_sync(self):
-        return nullcontext()
+    @classmethod
+    def apply(
+        cls,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        env: StrategyEnv,
+    ) -> tuple[ParameterServerWorker, torch.optim.Optimizer]:
+        if optimizer is None:
+            raise ValueError("a parameter-server worker needs the optimizer the servers apply")
+        urls, token = servers_from_env()
+        # Beats well inside the shards' timeout, so that a live worker is never taken for gone.
+        beat = min(2.0, env.config.ps.heartbeat_timeout_s / 4)
+        worker = cls(
+            model,
+            optimizer,
+            env,
+            urls,
+            token,
+            heartbeat_s=beat,
+            consistency=env.config.ps.consistency,
+        )
+        return worker, optimizer
 
-    def after_backward(self) -> None:
-        self.accounting.grads_ready()
+    @classmethod
+    def claims_batches(cls, config: RunConfig) -> bool:
+        return config.ps.consistency != "bsp"
 
-    def after_optimizer_step(self) -> float:
-        return 0.0
-
-    def step(self, step: int) -> float:
-        """Push this step's gradients, pull the next parameters. Returns the seconds spent."""
+    # -- the training strategy --------------------------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+        """Push this step's gradients, pull the next parameters (the servers step the
+        optimizer). Returns the seconds spent."""
         start = time.perf_counter()
         self._each(lambda k: self._push(k, step))
         for p in self.params.values():
@@ -191,6 +218,41 @@ class ParameterServerWorker:
                     client.request("POST", "/v1/heartbeat", params={"worker": self.rank})
                 except ServiceError:
                     pass  # the shard is restarting: the next push or pull retries it
+
+    def save_checkpoint(
+        self,
+        directory: Path,
+        step: int,
+        optimizer: torch.optim.Optimizer,
+        extra: dict[str, torch.Tensor],
+    ) -> Path:
+        """The servers hold the state: each writes its snapshot now."""
+        return self.snapshot()[0].parent
+
+    def load_checkpoint(
+        self,
+        path: Path | None,
+        directory: Path,
+        optimizer: torch.optim.Optimizer,
+        extra: dict[str, torch.Tensor],
+        loaders: Sequence[ShardedLoader],
+    ) -> dict[str, torch.Tensor] | None:
+        """Resume from the servers: the step is this worker's clock there, and loaders of fixed
+        shards move past the batches of the steps it already pushed (loaders that claim batches
+        need not: the servers hand out only what is left)."""
+        step = self.start_step
+        if step == 0:
+            return None
+        restored = {"step": torch.tensor(step)}
+        for i, loader in enumerate(loaders):
+            if isinstance(loader.sampler, ClaimedBatchSampler):
+                continue  # the servers know the epoch: those used up answer "none" at once
+            per_epoch = max(len(loader), 1)
+            restored[f"loader{i}"] = torch.tensor([step // per_epoch, step % per_epoch])
+        return restored
+
+    def finish(self) -> None:
+        self.finalize()
 
     def finalize(self) -> None:
         """Tell every shard this worker is done, wait until all workers are, and read the final

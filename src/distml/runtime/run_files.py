@@ -1,12 +1,15 @@
 """Writing ``runs/<name>/``: metrics.jsonl, summary.json, report.html and the exported model.
 
-Every rank takes part in the gather (a collective); rank 0 writes.
+Every rank takes part in the gather (a collective); rank 0 writes. A rank that shares no process
+group (a parameter-server worker) writes its own records to ``workers/`` instead, and the job
+that started it (:mod:`distml.jobs.ps`) writes the run's files from them.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 from typing import Any
 
 from distml.comm.collectives import all_gather_json
@@ -22,6 +25,8 @@ from distml.train.checkpoint import (
 
 
 def write_run_files(run: RunRecord, eval_metrics: dict[str, float]) -> dict[str, Any]:
+    if not run.shares_process_group:
+        return write_worker_files(run, eval_metrics)
     records = [r.to_json() for r in run.recorder.records]
     per_rank = all_gather_json(records, run.device)
     summary: dict[str, Any] = {
@@ -36,13 +41,14 @@ def write_run_files(run: RunRecord, eval_metrics: dict[str, float]) -> dict[str,
         "energy_source": run.recorder.energy.source,
         "param_norm": None,
         "export": None,
+        **run.summary,
     }
-    if run.model_parallel:
-        summary.update(layout_summary(run, per_rank))
-    elif run.module is not None:
+    if run.module is not None:
         summary["param_norm"] = param_norm(run.module)
-        if memory := memory_per_rank(per_rank):  # none for a parameter-server worker
-            summary["memory_per_rank"] = memory
+    if memory := memory_per_rank(per_rank):
+        summary["memory_per_rank"] = memory
+    if bubble := measured_bubble(per_rank):  # the idle share of a pipeline's steps
+        summary["bubble"] = {**summary.get("bubble", {}), **bubble}
     if run.config.plan is not None:
         summary["plan"] = plan_against_run(run.config.plan, per_rank, summary)
     if run.rank != 0:
@@ -87,27 +93,21 @@ def plan_against_run(
     return {**plan, "measured": measured}
 
 
-def layout_summary(run: RunRecord, per_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """What a model-parallel run adds to its summary: the layout, memory per rank, the bubble."""
-    par = run.config.parallel
-    pp = run.mesh["pp"]
-    out: dict[str, Any] = {
-        "layout": {
-            **run.mesh,
-            "activation_checkpointing": par.activation_checkpointing,
-            "sequence_parallel": par.sequence_parallel,
-            "reshard_after_forward": par.reshard_after_forward,
-        },
-        "memory_per_rank": memory_per_rank(per_rank),
-    }
-    if pp > 1:
-        from distml.parallel.pipeline import pipeline_bubble
+def worker_file(run_dir: Path, rank: int, attempt: int) -> Path:
+    return run_dir / "workers" / f"rank-{rank}-attempt-{attempt}.json"
 
-        out["layout"].update(
-            schedule=par.schedule, microbatches=par.microbatches, stages_per_rank=par.virtual_stages
-        )
-        out["bubble"] = {
-            **(measured_bubble(per_rank) or {"measured": None}),
-            "formula": pipeline_bubble(pp, par.microbatches, par.virtual_stages),
-        }
-    return out
+
+def write_worker_files(run: RunRecord, eval_metrics: dict[str, float]) -> dict[str, Any]:
+    """A worker's part of the run files: its step records and its evaluation."""
+    records = [r.to_json() for r in run.recorder.records]
+    path = worker_file(run.run_dir, run.rank, run.attempt)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = {
+        "rank": run.rank,
+        "attempt": run.attempt,
+        "records": records,
+        "eval": eval_metrics,
+        "energy_source": run.recorder.energy.source,
+    }
+    path.write_text(json.dumps(out))
+    return {"rank": run.rank, "steps": run.steps, "eval": eval_metrics}

@@ -7,9 +7,10 @@ failing ones out of rotation until they answer again (the supervisor restarts de
 router's app runs it as a background loop. ``drain()`` refuses new requests and waits for the
 ones in flight.
 
-The replicas are called with aiohttp: httpx's AsyncClient spent about 3 ms of CPU a request at
-16 concurrent requests here, aiohttp 0.3 ms (``benchmarks/serving.py``), and on a machine the
-router shares with its replicas that CPU is taken from them.
+The replicas are called with aiohttp rather than httpx: httpx's AsyncClient spends several times
+aiohttp's CPU per request at the router's concurrency (``benchmarks/serving.py``; the figures are
+in BENCHMARKS.md, "Serving"), and on a machine the router shares with its replicas that CPU is
+taken from them.
 """
 
 from __future__ import annotations

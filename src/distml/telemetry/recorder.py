@@ -104,6 +104,10 @@ class StepRecorder:
         self._exposed_extra += share * (now - self._t0)
         self._measured = False
 
+    def last_measured(self) -> StepRecord:
+        """The last step whose collectives were measured, not repeated from a sample."""
+        return next(r for r in reversed(self.records) if r.comm_measured)
+
     def add_exposed(self, seconds: float) -> None:
         """Communication outside backward (a Local SGD sync) that this step waited for."""
         self._exposed_extra += seconds

@@ -29,12 +29,14 @@ from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 
 from distml.config import ConfigError, read_toml
+from distml.net.untrusted import bounded_json
 
 # DCP (and the DTensor package it brings) is imported by the functions that touch a checkpoint:
 # half a second of every worker's start-up otherwise, for runs that never save one.
 
 
 _STEP_NAME = re.compile(r"step_[0-9]{1,20}")
+MAX_SUMMARY_BYTES = 2**20  # a run's summary.json is a few KB
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -110,14 +112,18 @@ def load_checkpoint(
 
 
 def resolve_weights(source: Path | str) -> Path:
-    """Where the weights of ``source`` are: a ``.safetensors`` file as it is; a DCP checkpoint
-    (a ``step_N/`` folder); a checkpoint folder's latest; a run folder's export
-    ``model.safetensors`` (the end of the run), else its latest checkpoint."""
+    """Where the weights of ``source`` are, for training, inference and serving alike: a file as
+    it is (read as safetensors); a DCP checkpoint (a ``step_N/`` folder) as it is; a checkpoint
+    folder's latest; a run folder's export (``summary.json``'s ``export``, else
+    ``model.safetensors``: the end of the run), else its latest checkpoint."""
     path = Path(source)
     if path.is_file() or (path / ".metadata").is_file():
         return path
+    if not path.is_dir():
+        raise ConfigError(f"no weights at {path}: no checkpoint, run folder or file there")
     candidates = [
         latest_checkpoint(path),
+        _export_of(path),
         path / "model.safetensors" if (path / "model.safetensors").is_file() else None,
         latest_checkpoint(path / "checkpoint"),
     ]
@@ -127,6 +133,25 @@ def resolve_weights(source: Path | str) -> Path:
     raise ConfigError(
         f"no weights at {path}: expected a .safetensors file, a checkpoint folder or a run folder"
     )
+
+
+def _export_of(run: Path) -> Path | None:
+    """The exported file that a run's ``summary.json`` names, if it exists. A folder handed over
+    by someone else may hold any file there, so it is read bounded and a bad one is a
+    :class:`ConfigError`."""
+    summary = run / "summary.json"
+    if not summary.is_file():
+        return None
+    try:
+        with open(summary, "rb") as f:
+            data = f.read(MAX_SUMMARY_BYTES + 1)
+        record = bounded_json(data, max_bytes=MAX_SUMMARY_BYTES, max_depth=64)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {summary}: {exc}") from None
+    export = record.get("export") if isinstance(record, dict) else None
+    if export is not None and not isinstance(export, str):
+        raise ConfigError(f"{summary}: export is a {type(export).__name__}, not a path")
+    return Path(export) if export and Path(export).is_file() else None
 
 
 def model_settings_near(source: Path | str) -> dict[str, Any]:
