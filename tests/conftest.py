@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import is_hypothesis_test
 
 # The suite tests the CPU paths, whose worlds of 2-4 workers would each need a GPU per worker on
 # a machine with GPUs: there they are hidden, unless DISTML_TEST_CUDA=1 asks for the CUDA tests
@@ -178,6 +180,37 @@ def save_dcp_metadata(
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every property test (hypothesis's ``@given``) is a ``fuzz`` test: its time is its budget
+    of examples, which the fast loop (``-m "not distributed and not fuzz"``) leaves to CI."""
+    for item in items:
+        if is_hypothesis_test(getattr(item, "obj", None)):
+            item.add_marker(pytest.mark.fuzz)
+
+
+class StartsAProcess(RuntimeError):
+    """A test that is not marked ``distributed`` tried to start a process."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Hold the ``distributed`` marker true: a test without it (fixtures included) may start no
+    process, so that ``pytest -m "not distributed"`` stays the fast loop of in-process tests."""
+    if item.get_closest_marker("distributed"):
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise StartsAProcess(f"{item.nodeid} starts a process: mark it distributed")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", refuse)
+        patch.setattr(multiprocessing.util, "spawnv_passfds", refuse)
+        patch.setattr(os, "fork", refuse)
+        patch.setattr(os, "posix_spawn", refuse)
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -24,6 +24,7 @@ def test_no_module_imports_itself_through_others():
     assert cycles == [], "\n".join(cycles)
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(shutil.which("lint-imports") is None, reason="needs import-linter (dev extras)")
 def test_the_layers_contract_is_kept():
     result = subprocess.run(["lint-imports"], cwd=ROOT, capture_output=True, text=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -13,6 +14,8 @@ from distml.data import digits
 from distml.data.preprocess import read_manifest
 from distml.lifecycle import STAGES, feature_datasets
 from distml.models import DigitsCNN
+
+pytestmark = pytest.mark.distributed  # every test starts processes
 
 
 def test_demo_runs_the_lifecycle_and_each_stage_equals_one_process(tmp_path):

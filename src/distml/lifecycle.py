@@ -218,7 +218,6 @@ def serve_and_query(
 
     from distml.jobs.replicas import ReplicaCommand, ReplicaSet
     from distml.net import BackgroundServer
-    from distml.net.ports import free_port
     from distml.serve.protocol import InferRequest, RequestInput
     from distml.serve.router import Router
     from distml.serve.router_app import create_router_app
@@ -229,7 +228,7 @@ def serve_and_query(
     with ReplicaSet(command, replicas, token, log_dir=log_dir) as replica_set:
         replica_set.wait_ready()
         router = Router(replica_set.urls, token)
-        with BackgroundServer(create_router_app(router, token), free_port()) as server:
+        with BackgroundServer(create_router_app(router, token)) as server:
             ready_s = time.perf_counter() - started
             answers, latencies = [], []
             headers = {"Authorization": f"Bearer {token}"}

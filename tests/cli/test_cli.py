@@ -64,6 +64,7 @@ def test_bad_input_exits_2_with_one_message(args, message, tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing started, nothing written
 
 
+@pytest.mark.distributed
 def test_config_file_is_read_and_flags_override_it(tmp_path):
     # The command as a program: its exit code is the process's.
     (tmp_path / "run.toml").write_text('nproc = 3\n[strategy]\ncompression = "bogus"\n')
@@ -72,6 +73,7 @@ def test_config_file_is_read_and_flags_override_it(tmp_path):
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
+@pytest.mark.distributed
 def test_failed_worker_exits_1_and_names_the_rank(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text(
@@ -82,6 +84,7 @@ def test_failed_worker_exits_1_and_names_the_rank(tmp_path):
     assert "rank 1 (exit code 1)" in proc.stderr
 
 
+@pytest.mark.distributed
 def test_run_module_with_its_arguments(tmp_path):
     (tmp_path / "hello_mod.py").write_text(
         "import os, sys\n"
@@ -94,6 +97,7 @@ def test_run_module_with_its_arguments(tmp_path):
     assert [(tmp_path / f"out{r}.txt").read_text() for r in (0, 1)] == ["--steps 3 x"] * 2
 
 
+@pytest.mark.distributed
 def test_a_script_sees_what_python_would_give_it_and_its_exception_is_reported(tmp_path):
     # Workers fork from a fork server and run the script in it: as `python sub/probe.py` would.
     (tmp_path / "sub").mkdir()
@@ -131,6 +135,7 @@ def test_a_failure_is_reported_with_its_cause_and_exits_1(capsys):
     assert capsys.readouterr().err == "distml infer failed: rank 1 (exit code 1)\n"
 
 
+@pytest.mark.distributed
 def test_the_command_imports_torch_only_for_commands_that_need_it():
     """`distml --help`, `distml plan`, `distml serve router`, `distml preprocess`: none needs
     torch (about 2 s to import), and a replica must set OpenMP's wait policy before it is."""

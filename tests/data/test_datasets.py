@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 from sklearn.datasets import load_digits
 
@@ -27,6 +28,7 @@ def test_the_cached_digits_are_scikit_learns(tmp_path, monkeypatch):
     assert torch.equal(digits_arrays()[0], images)  # rewritten whole
 
 
+@pytest.mark.distributed
 def test_a_process_reading_the_cache_does_not_import_scikit_learn(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     digits_arrays()  # cached here; the process below reads the copy

@@ -13,12 +13,15 @@ import sys
 import time
 
 import httpx
+import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from distml.launch.elastic import free_port
+
+pytestmark = pytest.mark.distributed  # every test starts processes
 
 LOOPBACK = ipaddress.ip_address("127.0.0.1")
 

@@ -36,7 +36,7 @@ def run_round(names, *, secure, silent=(), timeout=30.0, on_url=None):
         strategy = SecureAggregation(strategy, threshold=0.5, stage_timeout_s=timeout)
     server = FederatedServer(config, strategy, digits("val"))
     tokens = {n: TOKENS[n] for n in names}
-    with BackgroundServer(create_fl_app(server, tokens), free_port()) as bg:
+    with BackgroundServer(create_fl_app(server, tokens)) as bg:
         for n in silent:
             httpx.post(bg.url + "/v1/register", headers=auth(n)).raise_for_status()
         if on_url is not None:

@@ -17,7 +17,6 @@ from distml.federated.client import FederatedClient, run_clients
 from distml.federated.server import MAX_ROUND_ERRORS, FederatedServer, ServerConfig
 from distml.federated.strategy import LocalConfig, make_strategy
 from distml.federated.task import build_model, get_params, set_params
-from distml.launch.elastic import free_port
 from distml.net import BackgroundServer, ServiceError, encode_tensors
 
 TOKENS = {name: f"{name}-token-0123456789abcdef" for name in ("a", "b", "c")}
@@ -33,7 +32,7 @@ def make_server(tmp_path=None, *, strategy="fedavg", local=None, server_lr=None,
 
 @contextmanager
 def serving(server):
-    with BackgroundServer(create_fl_app(server, TOKENS, max_body_bytes=2**20), free_port()) as bg:
+    with BackgroundServer(create_fl_app(server, TOKENS, max_body_bytes=2**20)) as bg:
         yield bg.url
 
 

@@ -19,6 +19,7 @@ def distml_fl(*args, timeout=300):
                           text=True, timeout=timeout)  # fmt: skip
 
 
+@pytest.mark.distributed
 def test_simulate_prints_a_json_line_per_round_and_accounts_privacy(tmp_path):
     result = distml_fl(
         "simulate", "--clients", "20", "--rounds", "3", "--fraction", "0.5",
@@ -77,6 +78,7 @@ def run(strategy, attackers, **options):
     return summary["accuracy"]
 
 
+@pytest.mark.distributed
 def test_robust_rules_withstand_a_fifth_of_byzantine_clients_where_fedavg_collapses():
     # Krum's choice among the same kind of updates is checked in test_strategies.
     clean = run("fedavg", 0.0)

@@ -36,7 +36,7 @@ MAX_BODY = 2**16
 @contextmanager
 def serving(hub):
     app = create_hub_app(hub, TOKENS, max_body_bytes=MAX_BODY)
-    with BackgroundServer(app, free_port()) as server:
+    with BackgroundServer(app) as server:
         yield server.url
 
 
@@ -289,6 +289,7 @@ def test_version_0_can_be_a_safetensors_file(tmp_path):
         Hub(tmp_path / "new", VAL, initial=wrong)
 
 
+@pytest.mark.distributed
 def test_the_command_line_serves_contributes_and_prints_the_log(tmp_path):
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({"alice": TOKENS["alice"]}))

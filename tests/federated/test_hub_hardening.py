@@ -24,7 +24,6 @@ from distml.data import digits
 from distml.federated.hub import Hub, HubConfig
 from distml.federated.hub_app import create_hub_app
 from distml.federated.task import build_model, get_params, set_params, train_local
-from distml.launch.elastic import free_port
 from distml.net import BackgroundServer, encode_tensors
 
 TOKENS = {name: f"{name}-token-0123456789abcdef" for name in ("alice", "mallory")}
@@ -37,7 +36,7 @@ LAST = "net.3.weight"
 @contextmanager
 def serving(hub, **options):
     app = create_hub_app(hub, TOKENS, max_body_bytes=2**16, **options)
-    with BackgroundServer(app, free_port()) as server:
+    with BackgroundServer(app) as server:
         yield server.url
 
 
@@ -318,7 +317,7 @@ def test_a_client_refuses_what_a_hub_should_never_send(tmp_path):
     liar = FastAPI()
     liar.get("/v1/model")(lambda: Response(encode_tensors(V0, {"model": "../../x"})))
     liar.get("/v1/versions")(lambda: Response("[" * 100_000 + "]" * 100_000))
-    with BackgroundServer(liar, free_port()) as server:
+    with BackgroundServer(liar) as server:
         client = HubClient(server.url, TOKENS["alice"], retry_s=0)
         with pytest.raises(ServiceError, match="not a model of a hub"):
             client.model()

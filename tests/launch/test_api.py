@@ -25,11 +25,13 @@ def explode_on_rank_one(ctx: distml.Context) -> None:
         raise ValueError("bad value on purpose")
 
 
+@pytest.mark.distributed
 def test_returns_rank_zero_value(tmp_path):
     out = distml.launch(report, 40, nproc=3, runs_dir=tmp_path)
     assert out == {"rank": 0, "world": 3, "value": 40, "device": "cpu", "mesh": ("dp",)}
 
 
+@pytest.mark.distributed
 def test_worker_exception_names_rank_and_traceback_and_leaves_no_process(tmp_path):
     with pytest.raises(distml.LaunchError) as info:
         distml.launch(explode_on_rank_one, nproc=2, runs_dir=tmp_path)

@@ -28,7 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.distributed]
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "digits" / "train.py"

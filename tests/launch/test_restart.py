@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 
 from conftest import EXAMPLES, SCRIPTS, child_pids, distml_cli, wait_for, worker_pids
 
+pytestmark = pytest.mark.distributed  # every test starts processes
+
 TORCHRUN_SCRIPT = SCRIPTS / "torchrun_ckpt.py"
 DIGITS = EXAMPLES / "digits" / "train.py"
 STEPS = 30

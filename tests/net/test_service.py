@@ -4,14 +4,21 @@ declared in OpenAPI, and the parsing of what a peer sends."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
+import socket
+import sys
 import time
 from contextlib import asynccontextmanager
 
+import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from distml.launch.children import ChildProcess, stop_all
 from distml.net import LoopStopped, bounded_json, create_app, finite_float, octet_stream_body
+from distml.net.ports import listening_socket
 
 TOKEN = "t" * 32
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -108,3 +115,31 @@ def test_finite_float_refuses_what_is_no_finite_number(value):
 
 def test_finite_float_takes_ints_and_floats():
     assert finite_float(3, "n") == 3.0 and finite_float(-2.5, "n") == -2.5
+
+
+@pytest.mark.distributed
+def test_a_service_started_by_distml_serves_on_the_port_it_was_handed(tmp_path):
+    """The port is bound from the moment it is chosen: nothing else can take it before the
+    service serves, and the service never binds ``--port`` itself (port 1 would fail)."""
+    listen = listening_socket()
+    port = listen.getsockname()[1]
+    with socket.socket() as rival, pytest.raises(OSError) as taken:
+        rival.bind(("127.0.0.1", port))
+    assert taken.value.errno == errno.EADDRINUSE
+    shard = ChildProcess(tmp_path / "shard.log")
+    argv = [sys.executable, "-m", "distml", "ps", "serve", "--port", "1"]
+    shard.start(argv, {**os.environ, "DISTML_TOKEN": "t" * 32}, listen=listen)
+    assert listen.fileno() == -1  # handed over: the child owns the port now
+    try:
+        url = f"http://127.0.0.1:{port}/healthz"
+        wait_for(lambda: _answers(url) or shard.poll() is not None, 120)
+        assert shard.poll() is None, shard.log_tail()
+    finally:
+        stop_all([shard], 10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, headers={"Authorization": "Bearer " + "t" * 32}).status_code == 200
+    except httpx.TransportError:
+        return False

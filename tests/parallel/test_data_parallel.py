@@ -11,6 +11,8 @@ import distml
 from conftest import rel_err
 from distml.models import MLP
 
+pytestmark = pytest.mark.distributed  # every test starts processes
+
 STEPS = 20
 BATCH = 8
 SIZES = (16, 32, 10)

@@ -11,6 +11,8 @@ import pytest
 
 from conftest import EXAMPLES, distml_cli
 
+pytestmark = pytest.mark.distributed  # every test starts processes
+
 SCRIPT = str(EXAMPLES / "gpt" / "train.py")
 ARGS = ("--steps", "3", "--global-batch", "8", "--val-samples", "64")
 

@@ -65,6 +65,7 @@ def by_definition(world: int, h: int, outer_lr: float, outer_momentum: float) ->
     return torch.cat([p.detach().reshape(-1) for p in global_model.parameters()])
 
 
+@pytest.mark.distributed
 def test_diloco_equals_its_definition_and_communicates_h_times_less(tmp_path):
     h = 4
     strategy = {**parse_strategy("local-sgd:4"), "outer_lr": 0.7, "outer_momentum": 0.9}
@@ -82,6 +83,7 @@ def test_diloco_equals_its_definition_and_communicates_h_times_less(tmp_path):
     assert out["summary"]["comm_bytes"]["all_reduce"] == (STEPS // h) * 4 * expected.numel()
 
 
+@pytest.mark.distributed
 def test_one_local_step_of_plain_sgd_with_averaging_is_synchronous_sgd(tmp_path):
     out = distml.launch(
         worker,

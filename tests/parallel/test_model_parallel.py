@@ -12,6 +12,8 @@ from gpt_oracle import BATCH, CFG, STEPS, exported, gathered_grads, single_proce
 import distml
 from conftest import rel_err
 
+pytestmark = pytest.mark.distributed  # every test starts processes
+
 LAYOUTS = {
     "tp2": ({"tp": 2}, {}),
     "tp2-sequence-parallel": ({"tp": 2}, {"sequence_parallel": True}),

@@ -12,6 +12,8 @@ from conftest import rel_err
 from distml.data import ShardedBatchSampler
 from distml.models import GPT, lm_loss
 
+pytestmark = pytest.mark.distributed  # every test starts processes
+
 GLOBAL_BATCH = 8
 FIRST, TOTAL = 3, 6
 

@@ -63,6 +63,7 @@ def train_param_averaging() -> dict[str, Any]:
         return train(ctx)
 
 
+@pytest.mark.distributed
 def test_a_new_strategy_is_one_module_and_one_registry_line(tmp_path):
     settings = dict(nproc=2, runs_dir=tmp_path, telemetry={"progress": False})
     ddp = distml.launch(train, run_name="ddp", **settings)

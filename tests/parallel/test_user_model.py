@@ -10,6 +10,8 @@ from torch import nn
 import distml
 from conftest import rel_err
 
+pytestmark = pytest.mark.distributed  # every test starts processes
+
 STEPS, BATCH = 5, 8
 
 

@@ -86,6 +86,7 @@ def test_memory_decides_and_a_model_that_fits_nowhere_is_refused(tmp_path):
         )
 
 
+@pytest.mark.distributed
 def test_run_trains_under_the_planners_choice(tmp_path):
     cluster = cluster_file(tmp_path / "cluster.toml", 12e6)
     expected = choose_layout(
@@ -117,6 +118,7 @@ def test_run_trains_under_the_planners_choice(tmp_path):
     assert "<h2>Plan</h2>" in report and report.count("data:image/png") >= 1
 
 
+@pytest.mark.distributed
 def test_a_layout_the_config_refuses_gives_way_to_the_next_best(tmp_path):
     """On a 1 MB/s network the pipeline (activations only on the wire) is predicted fastest,
     but one micro-batch is too few for 1F1B over two stages: the config refuses pp=2 and the

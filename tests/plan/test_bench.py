@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import tomllib
 
+import pytest
 import tomli_w
 from typer.testing import CliRunner
 
@@ -33,6 +34,7 @@ MODEL = [
 GPT = GPTConfig(vocab_size=64, seq_len=16, layers=2, hidden=32, heads=2)
 
 
+@pytest.mark.distributed
 def test_bench_writes_a_cluster_file_the_planner_reads(tmp_path):
     run = {"model": GPT.model_dump(), "parallel": {"microbatches": 2}}
     (tmp_path / "run.toml").write_text(tomli_w.dumps(run))

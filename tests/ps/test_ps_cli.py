@@ -20,6 +20,7 @@ TOKEN = "standalone-token-0123456789"
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
+@pytest.mark.distributed
 def test_workers_train_against_standalone_shards(tmp_path):
     env = {**os.environ, "DISTML_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
     ports = [free_port(), free_port()]
@@ -93,6 +94,7 @@ def test_workers_train_against_standalone_shards(tmp_path):
     assert "<h2>Parameter server</h2>" in report and 'alt="staleness"' in report
 
 
+@pytest.mark.distributed
 def test_digits_example_under_bsp_with_a_backup_worker(tmp_path):
     result = distml_cli(
         "run", "--strategy", "ps", "--nproc", "3", "--backup-workers", "1", "--servers", "2",
@@ -131,6 +133,7 @@ def test_bad_ps_flags_exit_2_before_anything_starts(tmp_path, args, message):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.distributed
 def test_ps_serve_refuses_a_missing_or_short_token():
     env = {k: v for k, v in os.environ.items() if k != "DISTML_TOKEN"}
     result = subprocess.run(
@@ -140,6 +143,7 @@ def test_ps_serve_refuses_a_missing_or_short_token():
     assert result.returncode == 2 and "DISTML_TOKEN" in result.stderr
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("consistency", ["asp", "ssp:1"])
 def test_asynchronous_workers_claim_batches_so_a_straggler_takes_fewer(tmp_path, consistency):
     """Each epoch every sample is used once, as with fixed shards, but the slowed worker trains

@@ -17,6 +17,8 @@ import pytest
 
 from conftest import child_pids, cmdline, distml_cli, wait_for
 
+pytestmark = pytest.mark.distributed  # every test starts processes
+
 SCRIPT = str(Path(__file__).parent / "scripts" / "ps_train.py")
 TOKEN = "fault-test-token-0123456789"
 

@@ -16,6 +16,8 @@ from conftest import rel_err
 sys.path.insert(0, str(Path(__file__).parent.parent / "parallel"))
 from test_data_parallel import BATCH, single_process, train_worker  # noqa: E402
 
+pytestmark = pytest.mark.distributed  # every test starts processes
+
 STEPS = 12
 
 

@@ -40,7 +40,8 @@ from distml.net import (
     octet_stream_body,
     read_body,
 )
-from distml.net.ports import free_port
+
+pytestmark = pytest.mark.fuzz  # every service, against its OpenAPI document
 
 TOKEN = "fuzz-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -189,7 +190,7 @@ def _write_reports(tmp_path_factory) -> Iterator[None]:
 
 @contextmanager
 def serving(app) -> Iterator[str]:
-    with BackgroundServer(app, free_port()) as server:
+    with BackgroundServer(app) as server:
         yield server.url
 
 

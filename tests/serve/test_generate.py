@@ -38,6 +38,7 @@ def checkpoint(tmp_path_factory):
 PROMPTS = [list(b"import os\n"), list(b"def main(")]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("mesh", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
 def test_sharded_generation_equals_one_process(checkpoint, mesh, tmp_path):
     one = generate_tokens(checkpoint, [p[:9] for p in PROMPTS], 24)
@@ -48,6 +49,7 @@ def test_sharded_generation_equals_one_process(checkpoint, mesh, tmp_path):
     assert len(one[0]) == 9 + 24 and one[0][:9] == PROMPTS[0][:9]
 
 
+@pytest.mark.distributed
 def test_cli_generates_text(checkpoint, tmp_path):
     expected = generate_text(checkpoint, "import os", 16)
     proc = distml_cli(

@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 import torch
 import typer
 from safetensors.torch import save_model
@@ -58,6 +59,7 @@ def test_a_batch_larger_than_the_row_cap_is_a_usage_error(tmp_path):
         assert "--max-batch-rows (8)" in result.output
 
 
+@pytest.mark.distributed
 def test_serve_command_serves_and_stops(tmp_path):
     save_model(DigitsCNN(), str(tmp_path / "model.safetensors"))
     port = free_port()

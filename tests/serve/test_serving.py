@@ -18,7 +18,6 @@ from safetensors.torch import save_model
 from starlette.testclient import TestClient
 
 from distml.jobs.replicas import ReplicaCommand, ReplicaSet
-from distml.launch.elastic import free_port
 from distml.models import DigitsCNN
 from distml.net import TOKEN_ENV, BackgroundServer
 from distml.serve.batching import DynamicBatcher
@@ -59,7 +58,7 @@ def deployment(checkpoint, tmp_path_factory):
     with ReplicaSet(command, 2, TOKEN, log_dir=logs) as replicas:
         replicas.wait_ready(120)
         router = Router(replicas.urls, TOKEN, health_interval_s=0.2)
-        with BackgroundServer(create_router_app(router, TOKEN), free_port()) as server:
+        with BackgroundServer(create_router_app(router, TOKEN)) as server:
             yield replicas, router, server.url
 
 
@@ -95,6 +94,7 @@ async def _load(url: str, inputs: list[torch.Tensor], concurrency: int, on_done=
     return [results[i] for i in range(len(inputs))]
 
 
+@pytest.mark.distributed
 def test_batched_answers_equal_one_by_one(deployment, oracle):
     _, _, url = deployment
     gen = torch.Generator().manual_seed(1)
@@ -121,6 +121,7 @@ def test_batcher_runs_queued_requests_together(oracle):
     assert sizes == [7, 4]  # 1+2+3+1 fill 7 of 8; the 4-row request starts the next batch
 
 
+@pytest.mark.distributed
 def test_replica_killed_under_load_loses_no_request(deployment, oracle):
     replicas, router, url = deployment
     victim = replicas.processes[0]
@@ -159,6 +160,7 @@ BAD = [
 ]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
 def test_malformed_requests_get_4xx(deployment, case):
     replicas, _, url = deployment
@@ -168,6 +170,7 @@ def test_malformed_requests_get_4xx(deployment, case):
     assert "error" in r.json()
 
 
+@pytest.mark.distributed
 def test_nonfinite_unknown_model_and_junk(deployment):
     replicas, _, url = deployment
     data = ",".join(["0.5"] * 63)
@@ -185,6 +188,7 @@ def test_nonfinite_unknown_model_and_junk(deployment):
     assert httpx.get(url + "/v2/health/ready", headers=AUTH).status_code == 200
 
 
+@pytest.mark.distributed
 def test_numbers_outside_fp32_and_too_many_rows_are_refused_once(deployment):
     """A 401-digit integer, 1e39 (finite, but no FP32 value) and more rows than
     ``--max-batch-rows`` are the client's fault: 4xx, answered by one replica, never retried on
@@ -218,6 +222,7 @@ def test_oversized_body_gets_413(checkpoint):
         assert client.get("/v2/health/ready", headers=AUTH).status_code == 200
 
 
+@pytest.mark.distributed
 def test_metadata_and_metrics(deployment):
     replicas, _, url = deployment
     meta = httpx.get(url + "/v2/models/digits-cnn", headers=AUTH).json()
@@ -230,6 +235,7 @@ def test_metadata_and_metrics(deployment):
     assert f'distml_router_in_flight{{replica="{replicas.urls[0]}"}}' in metrics
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("path", ["/v2/health/live", "/v2/models/digits-cnn", INFER, "/metrics"])
 def test_unauthenticated_requests_get_401(deployment, path):
     replicas, _, url = deployment
@@ -262,7 +268,7 @@ def test_drain_finishes_in_flight_and_refuses_new():
     async def ready() -> dict:
         return {"ready": True}
 
-    with BackgroundServer(slow, free_port()) as server:
+    with BackgroundServer(slow) as server:
         router = Router([server.url], TOKEN)
 
         async def main():

@@ -19,7 +19,6 @@ from torch import nn
 
 from distml.models import DigitsCNN
 from distml.net import BackgroundServer, LoopStopped
-from distml.net.ports import free_port
 from distml.serve.batching import BatchFailed, DynamicBatcher, InferenceFailed
 from distml.serve.model import ServedModel, load_served_model
 from distml.serve.replica import create_replica_app
@@ -278,7 +277,7 @@ def routed(served):
     apps = [
         create_replica_app(poisoned, TOKEN, max_batch_size=4, max_batch_rows=ROWS) for _ in "ab"
     ]
-    with BackgroundServer(apps[0], free_port()) as a, BackgroundServer(apps[1], free_port()) as b:
+    with BackgroundServer(apps[0]) as a, BackgroundServer(apps[1]) as b:
         router = Router([a.url, b.url], TOKEN, health_interval_s=0.05)
         app = create_router_app(router, TOKEN)
         with TestClient(app) as client:
@@ -318,7 +317,7 @@ def test_the_model_name_reaches_the_replica_whole(routed):
 
 
 def test_the_router_health_loop_logs_a_failed_check_and_goes_on(served, caplog):
-    with BackgroundServer(create_replica_app(served, TOKEN), free_port()) as replica:
+    with BackgroundServer(create_replica_app(served, TOKEN)) as replica:
         router = Router([replica.url], TOKEN, health_interval_s=0.01)
         probes = []
         probe = router._probe
@@ -339,7 +338,7 @@ def test_the_router_health_loop_logs_a_failed_check_and_goes_on(served, caplog):
 
 
 def test_a_router_whose_health_loop_stops_reports_unhealthy(served):
-    with BackgroundServer(create_replica_app(served, TOKEN), free_port()) as replica:
+    with BackgroundServer(create_replica_app(served, TOKEN)) as replica:
         router = Router([replica.url], TOKEN, health_interval_s=0.01)
 
         async def gone(http, state) -> None:

@@ -101,6 +101,7 @@ def straggler_worker(ctx: distml.Context) -> dict:
     return ctx.finish(eval={"note": 1.0})
 
 
+@pytest.mark.distributed
 def test_a_simulated_straggler_is_named_and_the_others_wait_for_it(tmp_path: Path):
     summary = distml.launch(
         straggler_worker,

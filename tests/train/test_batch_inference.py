@@ -43,6 +43,7 @@ def cnn(tmp_path_factory):
     return path
 
 
+@pytest.mark.distributed
 def test_predictions_of_two_ranks_equal_one_process_in_input_order(cnn, tmp_path):
     data = digits("val")
     assert len(data) % 2 == 1  # the blocks differ by one sample: nothing padded or dropped
@@ -73,6 +74,7 @@ def gpt_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.distributed
 def test_batch_generation_under_tp_gives_the_tokens_of_one_process(gpt_run, tmp_path):
     lengths = {len(p) for p in PROMPTS}
     assert len(lengths) > 1 and any(sum(len(p) == n for p in PROMPTS) > 2 for n in lengths)
@@ -103,6 +105,7 @@ def checkpoint_under_tp(ctx: distml.Context, weights: str) -> None:
     ctx.finish()
 
 
+@pytest.mark.distributed
 def test_gpt_inference_from_a_checkpoint_folder_equals_that_from_the_export(
     gpt_run, tmp_path, monkeypatch
 ):

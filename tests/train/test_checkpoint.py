@@ -57,6 +57,7 @@ def worker(ctx: distml.Context, stop_at: int, resume: bool) -> dict:
     return {"params": params, "summary": summary, "step": ctx.step}
 
 
+@pytest.mark.distributed
 def test_resume_equals_uninterrupted(tmp_path):
     opts = {"nproc": 2, "runs_dir": tmp_path, "telemetry": {"progress": False}}
     straight = distml.launch(worker, 2 * K, False, run_name="straight", **opts)

@@ -37,6 +37,7 @@ def eval_worker(ctx: distml.Context) -> dict:
     return ctx.evaluate(model, dataset(), metrics, batch_size=7)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_distributed_evaluation_equals_one_process(nproc, tmp_path):
     result = distml.launch(eval_worker, nproc=nproc, runs_dir=tmp_path, run_name="eval")

@@ -34,6 +34,8 @@ from distml.train.finetune import (
     trainable_parameters,
 )
 
+pytestmark = pytest.mark.distributed  # every test starts processes
+
 OPTS = {"telemetry": {"progress": False}}
 STEPS = 10  # fine-tuning steps
 GLOBAL_BATCH = 64

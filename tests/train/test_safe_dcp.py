@@ -337,6 +337,7 @@ def crafted_run(tmp_path: Path, marker: Path) -> Path:
     return tmp_path / "run"
 
 
+@pytest.mark.distributed
 def test_distml_infer_on_a_crafted_checkpoint_exits_2_with_one_message(crafted_run, marker):
     out = crafted_run.parent / "x.safetensors"
     result = distml_cli("infer", str(crafted_run), "--nproc", "1", "--out", str(out))
@@ -359,6 +360,7 @@ def resume(ctx: distml.Context) -> bool:
     return ctx.load_checkpoint()
 
 
+@pytest.mark.distributed
 def test_resuming_from_a_crafted_checkpoint_fails_and_runs_nothing(crafted_run, marker):
     with pytest.raises(distml.LaunchError, match="CheckpointError") as info:
         distml.launch(

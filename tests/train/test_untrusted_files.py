@@ -118,6 +118,7 @@ def payload_folder(ctx: distml.Context) -> dict:
     return {"folder": str(folder), "mode": info.st_mode & 0o777, "owner": info.st_uid}
 
 
+@pytest.mark.distributed
 def test_the_launcher_hands_its_function_over_in_a_private_folder_it_removes(tmp_path):
     out = distml.launch(
         payload_folder,

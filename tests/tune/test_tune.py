@@ -66,6 +66,7 @@ def real_failures(trials: list[optuna.trial.FrozenTrial]) -> list[int]:
     ]
 
 
+@pytest.mark.distributed
 def test_two_workers_find_the_known_minimum_and_share_the_trials(tmp_path):
     url = sqlite_url(tmp_path)
     result = tune(
@@ -86,6 +87,7 @@ def test_two_workers_find_the_known_minimum_and_share_the_trials(tmp_path):
     assert second.datetime_start < first.datetime_complete
 
 
+@pytest.mark.distributed
 def test_the_median_pruner_stops_the_worse_trials(tmp_path, monkeypatch):
     url = sqlite_url(tmp_path)
     result = tune(
@@ -116,6 +118,7 @@ def test_the_median_pruner_stops_the_worse_trials(tmp_path, monkeypatch):
     assert (flat.complete, flat.pruned) == (4, 0)
 
 
+@pytest.mark.distributed
 def test_a_killed_job_resumes_to_exactly_its_trials(tmp_path):
     url, study, n_trials = sqlite_url(tmp_path), "resume", 10
     argv = [sys.executable, "-m", "distml.cli.tune", objective("held_quadratic")]
@@ -225,6 +228,7 @@ def test_a_trial_whose_objective_raised_frees_its_place_at_once(tmp_path):
     gate(stale.study.ask(), 3, stale.grace_s)
 
 
+@pytest.mark.distributed
 def test_a_trial_whose_worker_died_before_it_started_does_not_hold_the_job(tmp_path):
     # A trial created and never run: RUNNING, with neither a heartbeat nor a worker's mark.
     url, name = sqlite_url(tmp_path), "orphan"

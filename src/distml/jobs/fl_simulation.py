@@ -22,7 +22,6 @@ from distml.federated.server import FederatedServer, ServerConfig
 from distml.federated.strategy import Strategy
 from distml.launch.forkserver import start_fork_server
 from distml.net import BackgroundServer
-from distml.net.ports import free_port
 
 
 @dataclass
@@ -79,14 +78,13 @@ def simulate(
     attackers = set(names[: round(sim.byzantine * sim.clients)])
     server = FederatedServer(server_config, strategy, digits("val"), checkpoint_dir=checkpoint_dir)
     app = create_fl_app(server, tokens)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     # Forked from the preloaded fork server (a spawned worker paid torch's import each).
     start_fork_server()
     ctx = mp.get_context("forkserver")
     workers = []
     started = time.perf_counter()
-    with BackgroundServer(app, port):
+    with BackgroundServer(app) as http:
+        url = http.url
         for p in range(min(sim.processes, sim.clients)):
             members = [
                 (n, tokens[n], parts[i], n in attackers)

@@ -31,7 +31,6 @@ from distml.data.preprocess.sources import SQL_PASSWORD_ENV, Source, SqlSource, 
 from distml.data.preprocess.worker import worker_name
 from distml.launch.children import ChildProcess, stop_all
 from distml.net import TOKEN_ENV, BackgroundServer
-from distml.net.ports import free_port
 
 
 class PreprocessError(RuntimeError):
@@ -89,8 +88,8 @@ def preprocess(
     restarts = 0
     if not queue.finished:
         token = token or secrets.token_urlsafe(24)
-        port = port or free_port(host)
-        with BackgroundServer(create_coordinator_app(coordinator, token), port, host) as server:
+        app = create_coordinator_app(coordinator, token)
+        with BackgroundServer(app, port or 0, host) as server:
             if on_started is not None:
                 on_started(server.url)
             pool = LocalWorkers(

@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 from collections import Counter
@@ -28,8 +29,9 @@ import torch
 
 from distml.config import CONFIG_ENV, RunConfig, save_config
 from distml.launch.children import ChildProcess, stop_all
-from distml.launch.elastic import ATTEMPT_ENV, LaunchError, WorkerFailure, free_port
+from distml.launch.elastic import ATTEMPT_ENV, LaunchError, WorkerFailure
 from distml.net import TOKEN_ENV, ServiceClient, ServiceError, decode_tensors
+from distml.net.ports import listening_socket
 from distml.ps.worker import SERVERS_ENV
 from distml.telemetry.console import print_summary
 from distml.telemetry.report import write_report
@@ -47,12 +49,14 @@ class Process(ChildProcess):
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     url: str = ""  # a shard's
+    listen: socket.socket | None = None  # a shard's port, bound, until its first start
 
     def start(self, attempt: int | None = None, inherit_output: bool = False) -> None:
         env = {**os.environ, **self.env}
         if attempt is not None:
             env[ATTEMPT_ENV] = str(attempt)
-        super().start(self.argv, env, inherit_output)
+        listen, self.listen = self.listen, None  # a restarted shard binds its port again
+        super().start(self.argv, env, inherit_output, listen)
 
 
 def shard_argv(config: RunConfig, port: int, snapshot: Path) -> list[str]:
@@ -103,7 +107,8 @@ def run_ps_job(config: RunConfig, argv: list[str]) -> dict[str, Any]:
     servers: list[Process] = []
     if external is None:
         for k in range(config.ps.servers):
-            port = free_port()
+            listen = listening_socket()
+            port = listen.getsockname()[1]
             snapshot = run_dir / "ps" / f"shard-{k}.safetensors"
             servers.append(
                 Process(
@@ -112,6 +117,7 @@ def run_ps_job(config: RunConfig, argv: list[str]) -> dict[str, Any]:
                     argv=shard_argv(config, port, snapshot),
                     env={TOKEN_ENV: token},
                     url=f"http://127.0.0.1:{port}",
+                    listen=listen,
                 )
             )
         urls = [s.url for s in servers]

@@ -9,6 +9,7 @@ takes a dead replica out of rotation on its own; restarting it is this file's on
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import tempfile
 import threading
@@ -20,7 +21,7 @@ import httpx
 
 from distml.launch.children import ChildProcess, stop_all
 from distml.net import TOKEN_ENV
-from distml.net.ports import free_port
+from distml.net.ports import listening_socket
 from distml.serve.batching import MAX_BATCH_ROWS
 
 
@@ -50,7 +51,12 @@ class ReplicaCommand:
 
 @dataclass(eq=False, kw_only=True)
 class ReplicaProcess(ChildProcess):
-    port: int
+    listen: socket.socket | None  # its port, bound, until the first start hands it over
+    port: int = 0
+
+    def __post_init__(self) -> None:
+        if self.listen is not None:
+            self.port = self.listen.getsockname()[1]
 
     @property
     def url(self) -> str:
@@ -74,7 +80,8 @@ class ReplicaSet:
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="distml-serve-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.processes = [
-            ReplicaProcess(log_dir / f"replica-{i}.log", port=free_port()) for i in range(replicas)
+            ReplicaProcess(log_dir / f"replica-{i}.log", listen=listening_socket())
+            for i in range(replicas)
         ]
         # Replicas split the cores between them rather than each taking all of them.
         threads = max(1, (os.cpu_count() or 1) // replicas)
@@ -93,7 +100,8 @@ class ReplicaSet:
 
     def start(self) -> ReplicaSet:
         for p in self.processes:
-            p.start(self.command.argv(p.port), self._env)
+            listen, p.listen = p.listen, None  # a restarted replica binds its port again
+            p.start(self.command.argv(p.port), self._env, listen=listen)
         self._watch.start()
         return self
 

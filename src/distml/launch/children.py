@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import ctypes
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from distml.net.ports import LISTEN_FD_ENV
 
 PR_SET_PDEATHSIG = 1
 
@@ -35,17 +38,35 @@ class ChildProcess:
     restarts: int = 0
     exits: list[int] = field(default_factory=list)
 
-    def start(self, argv: list[str], env: dict[str, str], inherit_output: bool = False) -> None:
+    def start(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        inherit_output: bool = False,
+        listen: socket.socket | None = None,
+    ) -> None:
         """Start an incarnation; with ``inherit_output`` it writes to this process's terminal
-        instead of the log."""
-        if inherit_output:
-            self.popen = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
-            return
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as out:
-            self.popen = subprocess.Popen(
-                argv, env=env, stdout=out, stderr=out, preexec_fn=_die_with_parent
-            )
+        instead of the log. A service is handed ``listen``, a bound socket to serve on
+        (:data:`distml.net.ports.LISTEN_FD_ENV`), which this process then closes: the child
+        owns the port from the moment it was chosen."""
+        fds: tuple[int, ...] = ()
+        if listen is not None:
+            fds = (listen.fileno(),)
+            env = {**env, LISTEN_FD_ENV: str(listen.fileno())}
+        try:
+            if inherit_output:
+                self.popen = subprocess.Popen(
+                    argv, env=env, pass_fds=fds, preexec_fn=_die_with_parent
+                )
+                return
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log, "ab") as out:
+                self.popen = subprocess.Popen(
+                    argv, env=env, stdout=out, stderr=out, pass_fds=fds, preexec_fn=_die_with_parent
+                )
+        finally:
+            if listen is not None:
+                listen.close()
 
     def poll(self) -> int | None:
         return None if self.popen is None else self.popen.poll()

@@ -1,11 +1,38 @@
-"""A free TCP port on this machine, for a service or a rendezvous about to start."""
+"""Ports for the services and rendezvous that distml starts on this machine.
+
+A port chosen free and bound later can be taken in between by any other process (a busy machine
+starting many services loses that race now and then). Where distml starts a service in a child
+process, it binds the port first and hands the bound socket over (:func:`listening_socket`,
+:data:`LISTEN_FD_ENV`); only a rendezvous, whose store torch binds itself, takes a port by
+number (:func:`free_port`).
+"""
 
 from __future__ import annotations
 
+import os
 import socket
+
+LISTEN_FD_ENV = "DISTML_LISTEN_FD"
+"""In a service's environment: the descriptor of the listening socket it serves on, inherited
+from the process that started it, in place of binding ``--host``/``--port`` itself."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (a free port for 0) and listening, to serve on here
+    or to hand to a child process."""
+    sock = socket.create_server((host, port), backlog=2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def inherited_socket() -> socket.socket | None:
+    """The listening socket this process was handed (:data:`LISTEN_FD_ENV`), if any; the
+    variable is cleared, so that this process's own children do not take it for theirs."""
+    fd = os.environ.pop(LISTEN_FD_ENV, None)
+    return None if fd is None else socket.socket(fileno=int(fd))

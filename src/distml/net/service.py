@@ -20,6 +20,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.responses import Response
 
+from distml.net.ports import inherited_socket, listening_socket
+
 DEFAULT_MAX_BODY = 256 * 2**20
 SAFETENSORS = "application/octet-stream"
 
@@ -196,10 +198,12 @@ def serve(
     ssl_keyfile: str | None = None,
     log_level: str = "warning",
 ) -> None:
-    """Serve ``app`` until SIGINT/SIGTERM (uvicorn finishes the requests in flight first)."""
+    """Serve ``app`` until SIGINT/SIGTERM (uvicorn finishes the requests in flight first), on
+    ``host:port``, or on the listening socket the process that started this one handed over
+    (:data:`distml.net.ports.LISTEN_FD_ENV`)."""
     import uvicorn
 
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -208,6 +212,8 @@ def serve(
         log_level=log_level,
         access_log=False,
     )
+    sock = inherited_socket()
+    uvicorn.Server(config).run(sockets=None if sock is None else [sock])
 
 
 class BackgroundServer:
@@ -218,16 +224,19 @@ class BackgroundServer:
     ...     httpx.get(server.url + "/healthz")
     """
 
-    def __init__(self, app: FastAPI, port: int, host: str = "127.0.0.1"):
+    def __init__(self, app: FastAPI, port: int = 0, host: str = "127.0.0.1"):
         import threading
 
         import uvicorn
 
-        self.url = f"http://{host}:{port}"
+        self._socket = listening_socket(host, port)  # port 0: a free one, bound from now on
+        self.url = f"http://{host}:{self._socket.getsockname()[1]}"
         self._server = uvicorn.Server(
             uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
         )
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True
+        )
 
     def __enter__(self) -> BackgroundServer:
         import time
@@ -242,3 +251,4 @@ class BackgroundServer:
     def __exit__(self, *exc: object) -> None:
         self._server.should_exit = True
         self._thread.join(30)
+        self._socket.close()

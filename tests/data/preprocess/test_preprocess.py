@@ -65,6 +65,7 @@ def small(csv: Path) -> CsvSource:
     return CsvSource(path=str(csv), blocksize=8 * 1024)  # about 13 shards of 230 rows
 
 
+@pytest.mark.distributed
 def test_csv_job_equals_one_process_and_streams_by_rank(csv, oracle, tmp_path, monkeypatch):
     monkeypatch.setenv("PP_DELAY_S", "0.3")  # long enough that both workers take shards
     result = preprocess(small(csv), FAULTY, tmp_path / "out", workers=2)
@@ -94,6 +95,7 @@ def test_csv_job_equals_one_process_and_streams_by_rank(csv, oracle, tmp_path, m
     assert again.skipped == len(manifest["parts"]) and again.stats["attempts"] == 0
 
 
+@pytest.mark.distributed
 def test_a_worker_killed_mid_job_loses_nothing(csv, oracle, tmp_path, monkeypatch):
     """The fifth shard SIGKILLs its worker once; its lease runs out, another worker redoes it,
     the dead one is restarted: the output is the uninterrupted run's (speculation off, so that
@@ -121,6 +123,7 @@ def read_table_ids(csv: Path) -> list[int]:
     return [read_shard(s)["id"][0].as_py() for s in plan(small(csv))]
 
 
+@pytest.mark.distributed
 def test_failed_shard_is_retried_and_a_slow_one_gets_a_backup(csv, oracle, tmp_path, monkeypatch):
     ids = read_table_ids(csv)
     monkeypatch.setenv("PP_MARKERS", str(tmp_path))
@@ -137,6 +140,7 @@ def test_failed_shard_is_retried_and_a_slow_one_gets_a_backup(csv, oracle, tmp_p
     assert read_table(tmp_path / "out").equals(oracle)
 
 
+@pytest.mark.distributed
 def test_a_shard_that_always_fails_stops_the_job_and_a_rerun_finishes_it(
     csv, oracle, tmp_path, monkeypatch
 ):
@@ -156,11 +160,13 @@ def test_a_shard_that_always_fails_stops_the_job_and_a_rerun_finishes_it(
     assert read_table(tmp_path / "out").equals(oracle)
 
 
+@pytest.mark.distributed
 def test_a_transform_whose_schema_drifts_is_refused(csv, tmp_path):
     with pytest.raises(PreprocessError, match="the transform must return one schema"):
         preprocess(small(csv), f"{HERE / 'transforms.py'}:schema_drift", tmp_path / "o", workers=1)
 
 
+@pytest.mark.distributed
 def test_another_jobs_folder_and_a_missing_transform_are_refused(csv, tmp_path):
     preprocess(small(csv), FEATURES, tmp_path / "out", workers=1)
     with pytest.raises(OutputError, match="holds the output of another job"):
@@ -169,6 +175,7 @@ def test_another_jobs_folder_and_a_missing_transform_are_refused(csv, tmp_path):
         preprocess(small(csv), f"{HERE / 'transforms.py'}:nope", tmp_path / "o2", workers=1)
 
 
+@pytest.mark.distributed
 def test_a_transform_that_does_not_import_stops_the_job_at_once(csv, tmp_path):
     """A SyntaxError is the user's to fix: the worker exits 2 and the job stops with its words,
     rather than restarting workers that would fail the same way."""
@@ -179,6 +186,7 @@ def test_a_transform_that_does_not_import_stops_the_job_at_once(csv, tmp_path):
     assert str(bad) in str(e.value)
 
 
+@pytest.mark.distributed
 def test_parquet_sql_and_file_sources(csv, oracle, tmp_path):
     table = pacsv.read_csv(csv)
     pq.write_table(table, tmp_path / "rows.parquet", row_group_size=500)

@@ -49,6 +49,7 @@ def csv(tmp_path) -> Path:
     return tmp_path / "rows.csv"
 
 
+@pytest.mark.distributed
 def test_the_command_writes_the_job_and_prints_its_manifest(csv, tmp_path):
     out = tmp_path / "out"
     args = ["preprocess", str(csv), "--transform", FEATURES, "--out", str(out)]
@@ -152,6 +153,7 @@ def _remote_worker(url: str, out: Path, delay_s: float) -> subprocess.Popen:
     )
 
 
+@pytest.mark.distributed
 def test_a_remote_worker_busy_when_the_job_ends_is_told_to_stop(csv, tmp_path, monkeypatch):
     """A slow remote worker holds shard 0 while a fast one does the rest and a backup copy of
     shard 0, which ends the job. The coordinator keeps serving until the slow worker has reported
@@ -179,6 +181,7 @@ def test_a_remote_worker_busy_when_the_job_ends_is_told_to_stop(csv, tmp_path, m
     assert read_table(tmp_path / "out")["id"].to_pylist() == list(range(500))
 
 
+@pytest.mark.distributed
 def test_a_remote_worker_stopped_by_a_failed_job_exits_1_with_its_error(csv, tmp_path, monkeypatch):
     monkeypatch.setenv("PP_ALWAYS_FAIL_AT", "0")  # the first shard's first row is corrupt
     job, thread = remote_preprocess(csv, FAULTY, tmp_path / "out", TOKEN, max_attempts=2)
@@ -201,6 +204,7 @@ def _alive(pid: int) -> bool:
     return stat[stat.rfind(")") + 2] != "Z"
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_local_workers_die_with_a_killed_coordinator(csv, tmp_path):
     """``distml preprocess`` SIGKILLed mid-job leaves no worker behind: each gets SIGTERM from

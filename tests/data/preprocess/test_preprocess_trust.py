@@ -37,7 +37,6 @@ from distml.data.preprocess.scope import JobScope, RefusedAnswer
 from distml.data.preprocess.worker import run_worker
 from distml.jobs.preprocess import describe_job
 from distml.net import TOKEN_ENV, BackgroundServer, LoopStopped
-from distml.net.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 FEATURES = f"{HERE / 'transforms.py'}:features"
@@ -101,7 +100,7 @@ def _work(shard: dict, attempt: str, elsewhere: Path) -> dict:
 
 
 def _run_against(app: FastAPI, out: Path) -> int:
-    with BackgroundServer(app, free_port()) as server:
+    with BackgroundServer(app) as server:
         return run_worker(server.url, TOKEN, FEATURES, out, worker_id="w")
 
 
@@ -356,7 +355,7 @@ def test_the_worker_command_needs_out_and_exits_1_on_a_refused_answer(csv_job, t
     missing = CliRunner().invoke(cli, [*args, "--coordinator", "http://127.0.0.1:9"], env=env)
     assert missing.exit_code == 2 and "--out" in missing.output
     answer = _work(_escapes(tmp_path, shards[0])["absolute-elsewhere"], "0.1", tmp_path / "e")
-    with BackgroundServer(_fake_coordinator(output.job, [answer]), free_port()) as server:
+    with BackgroundServer(_fake_coordinator(output.job, [answer])) as server:
         result = CliRunner().invoke(
             cli, [*args, "--coordinator", server.url, "--out", str(output.path)], env=env
         )
