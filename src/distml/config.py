@@ -7,15 +7,18 @@ object the launcher validated.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import time
 import tomllib
+import types
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 CONFIG_ENV = "DISTML_CONFIG"
 
@@ -41,18 +44,29 @@ class ConfigError(ValueError):
 
 class _Model(BaseModel):
     # TOML has inf and nan; no setting means either (a timeout of inf overflows the clock)
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid",
+        validate_assignment=True,
+        allow_inf_nan=False,
+        use_attribute_docstrings=True,  # a field's docstring is its help (distml run --help)
+    )
 
 
 class GPTConfig(_Model):
     """The size of a :class:`distml.models.GPT`; ``mlp_ratio`` x ``hidden`` is the MLP's width."""
 
     vocab_size: Annotated[int, Field(ge=2)] = 256
+    """Tokens in the vocabulary."""
     seq_len: Annotated[int, Field(ge=1)] = 64
+    """Longest sequence, in tokens."""
     layers: Annotated[int, Field(ge=1)] = 4
+    """Transformer blocks."""
     hidden: Annotated[int, Field(ge=1)] = 128
+    """Width of the residual stream."""
     heads: Annotated[int, Field(ge=1)] = 4
+    """Attention heads; they divide hidden."""
     mlp_ratio: Annotated[int, Field(ge=1)] = 4
+    """The MLP's width, as a multiple of hidden."""
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> GPTConfig:
@@ -71,15 +85,25 @@ class StrategyConfig(_Model):
     ``ps``: parameter servers hold the parameters (see :class:`PSConfig`)."""
 
     name: StrategyName = "ddp"
+    """ddp, local-sgd or ps."""
     compression: Compression = "none"
+    """ddp: how gradients travel (a DDP communication hook)."""
     powersgd_rank: Annotated[int, Field(ge=1)] = 2
+    """compression=powersgd: the rank of the low-rank approximation."""
     powersgd_start_iter: Annotated[int, Field(ge=1)] = 2
+    """compression=powersgd: plain all-reduce before this step."""
     grad_accum: Annotated[int, Field(ge=1)] = 1
+    """Micro-batches a step is cut into; gradients sync on the last."""
     mixed_precision: Precision = "fp32"
-    bucket_cap_mb: Annotated[float, Field(gt=0)] | None = None  # None: DDP's default buckets
-    sync_every: Annotated[int, Field(ge=1)] = 8  # local-sgd: H
-    outer_lr: Annotated[float, Field(gt=0)] = 1.0  # local-sgd: 1.0 and no momentum = averaging
-    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0  # DiLoCo: 0.9 (Nesterov)
+    """Autocast dtype of forward and backward."""
+    bucket_cap_mb: Annotated[float, Field(gt=0)] | None = None
+    """ddp: size of a gradient bucket (none: DDP's default)."""
+    sync_every: Annotated[int, Field(ge=1)] = 8
+    """local-sgd: local steps between synchronisations (H)."""
+    outer_lr: Annotated[float, Field(gt=0)] = 1.0
+    """local-sgd: the outer optimizer's rate (1.0 with no momentum: averaging)."""
+    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """local-sgd: the outer Nesterov momentum (DiLoCo: 0.9)."""
 
     @model_validator(mode="after")
     def _fits_strategy(self) -> StrategyConfig:
@@ -98,14 +122,23 @@ class PSConfig(_Model):
     """
 
     consistency: Consistency = "bsp"
+    """bsp, asp or ssp."""
     staleness: Annotated[int, Field(ge=0)] = 0
+    """ssp: steps the fastest worker may run ahead of the slowest."""
     backup_workers: Annotated[int, Field(ge=0)] = 0
+    """bsp: gradients a step does not wait for."""
     servers: Annotated[int, Field(ge=1)] = 1
+    """Server shards started with the job."""
     addresses: list[str] | None = None
+    """URLs of shards already running (distml ps serve), instead of servers."""
     staleness_lr: bool = False
+    """Divide a push's learning rate by 1 + its staleness."""
     snapshot_every: Annotated[int, Field(ge=1)] = 50
+    """Versions between a shard's snapshots."""
     heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    """Seconds of silence before a worker leaves the barrier."""
     max_body_mb: Annotated[float, Field(gt=0)] = 256.0
+    """Largest request body a shard accepts."""
 
     @field_validator("addresses")
     @classmethod
@@ -128,13 +161,21 @@ class ParallelConfig(_Model):
     """
 
     schedule: Schedule = "1f1b"
+    """Pipeline schedule."""
     microbatches: Annotated[int, Field(ge=1)] = 4
-    stages_per_rank: Annotated[int, Field(ge=1)] | None = None  # None: 2 if interleaved, else 1
+    """Pipeline micro-batches a step."""
+    stages_per_rank: Annotated[int, Field(ge=1)] | None = None
+    """Pipeline stages a rank holds (none: 2 if interleaved, else 1)."""
     split_points: list[str] | None = None
+    """Modules where a pipeline stage begins (none: balanced blocks)."""
     tp_plan: dict[str, Literal["colwise", "rowwise"]] | None = None
+    """Module pattern -> colwise or rowwise (none: the GPT's Megatron plan)."""
     sequence_parallel: bool = False
+    """tp: shard norms and dropout along the sequence."""
     activation_checkpointing: Recompute = "none"
+    """Recompute activations in backward."""
     reshard_after_forward: bool = True
+    """fsdp: free gathered parameters after forward (false: ZeRO-2-like)."""
 
     @property
     def virtual_stages(self) -> int:
@@ -158,35 +199,50 @@ class TelemetryConfig(_Model):
     """What every run measures. Energy is estimated from CPU time where no counter exists."""
 
     straggler_factor: Annotated[float, Field(gt=1.0)] = 1.25
+    """A rank this many times slower than the median is a straggler."""
     simulate_straggler: tuple[int, float] | None = None
+    """[RANK, FACTOR]: slow one rank's compute, to test the above."""
     watts_per_cpu_core: Annotated[float, Field(gt=0)] = 10.0
-    # Model-parallel layouts: collectives are intercepted on steps 0, 1 and every N-th step.
+    """Power of a busy core, where no energy counter exists."""
     comm_sample_every: Annotated[int, Field(ge=1)] = 20
+    """Model-parallel layouts: collectives are intercepted on steps 0, 1 and every N-th."""
     progress: bool = True
+    """Show a progress line on the terminal."""
 
 
 class RunConfig(_Model):
     """A whole run: where it goes, how many processes, what strategy, what is measured."""
 
     run_name: str = Field(default_factory=lambda: time.strftime("run-%Y%m%d-%H%M%S"))
+    """Folder name under runs_dir (default: run-DATE-TIME)."""
     runs_dir: Path = Path("runs")
+    """Where run folders go."""
     nproc: Annotated[int, Field(ge=1)] = 1
+    """Worker processes on each node."""
     min_nodes: Annotated[int, Field(ge=1)] = 1
+    """Fewest nodes the rendezvous waits for."""
     max_nodes: Annotated[int, Field(ge=1)] = 1
+    """Most nodes that may join."""
     node_rank: Annotated[int, Field(ge=0)] | None = None
+    """Fixed rank of this node (static rendezvous)."""
     rdzv_endpoint: str | None = None
+    """HOST:PORT of the rendezvous, for more than one node."""
     max_restarts: Annotated[int, Field(ge=0)] = 0
+    """Restarts of the workers after a failure."""
     timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    """Seconds before a hung peer counts as failed."""
     seed: int = 0
+    """Base random seed, the same on every rank."""
     mesh: dict[str, int] | None = None
+    """Device mesh, {dp = N} or e.g. {dp = 2, tp = 2}."""
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     model: GPTConfig | None = None
     ps: PSConfig = Field(default_factory=PSConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
-    # Under --strategy auto: the planner's pick and its prediction, which the run's summary and
-    # report set beside what the run measured (distml.plan.auto.plan_record).
-    plan: dict[str, Any] | None = None
+    plan: Annotated[dict[str, Any] | None, Field(json_schema_extra={"settable": False})] = None
+    """Under --strategy auto: the planner's pick and its prediction, which the run's summary and
+    report set beside what the run measured (distml.plan.auto.plan_record)."""
 
     @field_validator("run_name")
     @classmethod
@@ -377,6 +433,92 @@ def parse_options(text: str, flag: str) -> dict[str, object]:
             raise ConfigError(f"{flag}: option {part!r} is not KEY=VALUE")
         fields[key.strip()] = value.strip()
     return fields
+
+
+def settings(model: type[BaseModel] | None = None, prefix: str = "") -> dict[str, FieldInfo]:
+    """Every setting of a run by its dotted key (``ps.servers``), as ``--set KEY=VALUE`` and
+    the TOML config name it: the fields of :class:`RunConfig` and of its sections."""
+    out: dict[str, FieldInfo] = {}
+    for name, info in (model or RunConfig).model_fields.items():
+        if (info.json_schema_extra or {}).get("settable") is False:
+            continue
+        section = _section(info.annotation)
+        if section is not None:
+            out.update(settings(section, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = info
+    return out
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (``GPTConfig | None`` counts), if it is a section."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def set_value(fields: dict[str, Any], key: str, value: Any) -> None:
+    """Set the setting ``key`` (dotted) in the nested ``fields`` a RunConfig is built from;
+    an unknown key is a :class:`ConfigError` that names the nearest known ones."""
+    known = settings()
+    if key not in known:
+        near = difflib.get_close_matches(key, known, n=3)
+        hint = f"did you mean {' or '.join(near)}?" if near else "`distml run --help` lists them"
+        raise ConfigError(f"unknown setting {key!r}; {hint}")
+    *sections, name = key.split(".")
+    for section in sections:
+        fields = fields.setdefault(section, {})
+    fields[name] = value
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """``"KEY=VALUE"`` (``--set``) -> (key, value). VALUE is read as a TOML value where it is
+    one (``4``, ``true``, ``[1, 2.0]``, ``{dp = 2, tp = 2}``) and the setting is not text;
+    pydantic validates it either way."""
+    key, sep, raw = text.partition("=")
+    key, raw = key.strip(), raw.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {text!r} is not KEY=VALUE")
+    info = settings().get(key)
+    if info is not None and _type_name(info.annotation).split(" | ")[0] in ("str", "Path"):
+        return key, raw
+    try:
+        return key, tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key, raw
+
+
+def describe_settings() -> list[tuple[str, str]]:
+    """(``KEY (TYPE) [default: ...]``, what it means) for each setting; for ``--help``."""
+    rows = []
+    for key, info in settings().items():
+        if info.default_factory is not None:
+            default = ""
+        else:
+            default = f" [default: {_toml_text(info.default)}]"
+        rows.append((f"{key} ({_type_name(info.annotation)}){default}", info.description or ""))
+    return rows
+
+
+def _toml_text(value: Any) -> str:
+    if value is None:
+        return "none"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _type_name(annotation: Any) -> str:
+    """``int``, ``fp32|bf16|fp16``, ``float | none``, ``list[str]``: a type as a user reads it."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin is Literal:
+        return "|".join(str(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " | ".join("none" if a is type(None) else _type_name(a) for a in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    return getattr(annotation, "__name__", str(annotation))
 
 
 def build_config(**fields: object) -> RunConfig:

@@ -34,15 +34,32 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
 import torch
 import torch.nn.functional as F
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load_file
 from torch.utils.data import TensorDataset
 
 from distml.config import RunConfig
+from distml.data.datasets import digits_arrays, holdout_indices
+from distml.data.preprocess import CsvSource, read_table
+from distml.data.preprocess.reader import column_tensor
+from distml.jobs.finetune import FineTuneSpec, run_finetune
+from distml.jobs.infer import run_inference
+from distml.jobs.preprocess import preprocess
+from distml.jobs.replicas import ReplicaCommand, ReplicaSet
 from distml.launch.api import launch
 from distml.models import DigitsCNN
+from distml.net import BackgroundServer
 from distml.runtime.context import Context
+from distml.serve.protocol import InferRequest, RequestInput
+from distml.serve.router import Router
+from distml.serve.router_app import create_router_app
+from distml.telemetry.lifecycle_report import write_lifecycle_report
 
 PIXELS = 64  # 8 x 8
 TRANSFORM = "distml.lifecycle:digit_features"
@@ -57,10 +74,6 @@ def write_raw_digits(path: Path) -> int:
     """scikit-learn's digits as the raw CSV a preprocessing job starts from: ``id, val, label``
     and the 64 pixel intensities (0-16); ``val`` marks :func:`distml.data.digits`'s held-out
     rows. Returns the number of rows."""
-    import pyarrow as pa
-    import pyarrow.csv as pacsv
-
-    from distml.data.datasets import digits_arrays, holdout_indices
 
     images, labels = digits_arrays()
     pixels = images.reshape(len(labels), PIXELS).numpy().astype(np.int64)
@@ -90,8 +103,6 @@ def digit_features(table: Any) -> dict[str, np.ndarray]:
 
 
 def preprocess_digits(folder: Path, workers: int) -> dict[str, Any]:
-    from distml.data.preprocess import CsvSource
-    from distml.jobs.preprocess import preprocess
 
     raw = folder / "raw" / "digits.csv"
     rows = write_raw_digits(raw)
@@ -115,8 +126,6 @@ def preprocess_digits(folder: Path, workers: int) -> dict[str, Any]:
 def feature_datasets(features: Path | str) -> dict[str, TensorDataset]:
     """The preprocessed digits as four datasets: ``train`` and ``val``, and the same images
     mirrored, ``mirrored_train`` and ``mirrored_val``; images (N, 1, 8, 8), labels."""
-    from distml.data.preprocess import read_table
-    from distml.data.preprocess.reader import column_tensor
 
     table = read_table(features, ["val", "label", "x", "x_mirrored"])
     held_out = column_tensor(table["val"]).bool()
@@ -166,7 +175,6 @@ def finetune_mirrored(
     folder: Path, base: Path, data: dict[str, TensorDataset], nproc: int, epochs: int
 ) -> dict[str, Any]:
     """LoRA adapters of rank 4 on the CNN's Linear layers, the rest frozen, on mirrored images."""
-    from distml.jobs.finetune import FineTuneSpec, run_finetune
 
     spec = FineTuneSpec(model=MODEL, base=base, lora_r=4, epochs=epochs, global_batch=32, lr=0.02)
     return run_finetune(
@@ -185,9 +193,6 @@ def finetune_mirrored(
 def batch_inference(
     folder: Path, model_dir: Path, val: TensorDataset, nproc: int
 ) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
-    from distml.jobs.infer import run_inference
 
     x, y = val.tensors
     started = time.perf_counter()
@@ -214,13 +219,6 @@ def serve_and_query(
 ) -> dict[str, Any]:
     """Serve ``model_dir`` from ``replicas`` processes behind a router in this process, send
     ``images`` as requests of ``rows`` images each over HTTP, return the answers and latencies."""
-    import httpx
-
-    from distml.jobs.replicas import ReplicaCommand, ReplicaSet
-    from distml.net import BackgroundServer
-    from distml.serve.protocol import InferRequest, RequestInput
-    from distml.serve.router import Router
-    from distml.serve.router_app import create_router_app
 
     token = secrets.token_urlsafe(24)
     command = ReplicaCommand(str(model_dir), MODEL, max_batch_size=32, max_delay_ms=2)
@@ -265,8 +263,6 @@ def serve_and_query(
 
 def _requests_served(url: str, headers: dict[str, str]) -> int:
     """Inference requests a replica answered, from its Prometheus ``/metrics``."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
     return int(
@@ -293,7 +289,6 @@ def run_lifecycle(
 ) -> dict[str, Any]:
     """Run every stage into ``config.run_dir`` with ``config.nproc`` workers; returns the
     summary that ``summary.json`` holds."""
-    from distml.telemetry.lifecycle_report import write_lifecycle_report
 
     folder = config.run_dir
     nproc = config.nproc

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from dp_oracle import BATCH, STEPS, single_process, train_worker
 from gpt_oracle import single_process as gpt_single_process
 from gpt_oracle import train as gpt_train
-from test_data_parallel import BATCH, STEPS, single_process, train_worker
 
 import distml
 from conftest import EXAMPLES, distml_cli, rel_err

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_data_parallel import BATCH, SIZES, dataset, single_process
+from dp_oracle import BATCH, SIZES, dataset, single_process
 
 import distml
 from conftest import rel_err

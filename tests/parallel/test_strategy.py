@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_oracle import BATCH, SIZES, dataset, flat_params
 from param_averaging import ParameterAveraging
-from test_data_parallel import BATCH, SIZES, dataset, flat_params
 
 import distml
 from conftest import rel_err

@@ -14,7 +14,7 @@ import distml
 from conftest import rel_err
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "parallel"))
-from test_data_parallel import BATCH, single_process, train_worker  # noqa: E402
+from dp_oracle import BATCH, single_process, train_worker  # noqa: E402
 
 pytestmark = pytest.mark.distributed  # every test starts processes
 

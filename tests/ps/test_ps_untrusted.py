@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from test_ps_service import AUTH, INIT, TOKEN, push, spec, state
+from shard_helpers import AUTH, INIT, TOKEN, push, spec, state
 
 from conftest import wait_for
 from distml.net import LoopStopped, encode_tensors

@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from distml.cli.messages import err, fail_usage, report_failure
 from distml.config import (
     ConfigError,
     RunConfig,
     build_config,
+    describe_settings,
     load_config,
+    parse_assignment,
     parse_consistency,
     parse_mesh,
     parse_nnodes,
     parse_options,
     parse_straggler,
     parse_strategy,
+    set_value,
 )
 
 app = typer.Typer(
@@ -40,72 +45,62 @@ def _default_nproc() -> int:
     return 2
 
 
-def resolve_run_config(
-    *,
-    config_file: Path | None,
-    nproc: int | None,
-    nnodes: str | None,
-    node_rank: int | None,
-    rdzv_endpoint: str | None,
-    max_restarts: int | None,
-    run_name: str | None,
-    runs_dir: Path | None,
-    strategy: str | None,
-    mesh: str | None,
-    timeout: float | None,
-    seed: int | None,
-    simulate_straggler: str | None,
-    schedule: str | None = None,
-    microbatches: int | None = None,
-    parallel: str | None = None,
-    model: str | None = None,
-    ps: dict[str, Any] | None = None,
-):
-    """Command-line flags over the config file over defaults, validated as one RunConfig."""
+def resolve_run_config(config_file: Path | None, assignments: list[tuple[str, Any]]) -> RunConfig:
+    """The settings ``assignments`` (dotted key, value; later ones win) over the config file
+    over defaults, validated as one RunConfig."""
     fields: dict[str, Any] = {}
     if config_file is not None:
         fields = load_config(config_file).model_dump(exclude_unset=True)
-    if nproc is not None:
-        fields["nproc"] = nproc
+    for key, value in assignments:
+        set_value(fields, key, value)
     if "nproc" not in fields:
         fields["nproc"] = _default_nproc()
-    if nnodes is not None:
-        fields["min_nodes"], fields["max_nodes"] = parse_nnodes(nnodes)
-    flags = {
-        "node_rank": node_rank,
-        "rdzv_endpoint": rdzv_endpoint,
-        "max_restarts": max_restarts,
-        "run_name": run_name,
-        "runs_dir": runs_dir,
-        "timeout_s": timeout,
-        "seed": seed,
-    }
-    fields.update({k: v for k, v in flags.items() if v is not None})
-    if strategy is not None:
-        fields["strategy"] = {**fields.get("strategy", {}), **parse_strategy(strategy)}
-    if mesh is not None:
-        fields["mesh"] = parse_mesh(mesh)
-    par = dict(fields.get("parallel", {}))
-    if parallel is not None:
-        par.update(parse_options(parallel, f"--parallel {parallel!r}"))
-    par.update(
-        {
-            k: v
-            for k, v in {"schedule": schedule, "microbatches": microbatches}.items()
-            if v is not None
-        }
-    )
-    if par:
-        fields["parallel"] = par
-    if model is not None:
-        fields["model"] = {**fields.get("model", {}), **parse_options(model, f"--model {model!r}")}
-    if ps:
-        fields["ps"] = {**fields.get("ps", {}), **ps}
-    if simulate_straggler is not None:
-        telemetry = dict(fields.get("telemetry", {}))
-        telemetry["simulate_straggler"] = parse_straggler(simulate_straggler)
-        fields["telemetry"] = telemetry
     return build_config(**fields)
+
+
+def _each(prefix: str, parse: Callable[[str], dict[str, Any]]) -> Callable[[Any], list]:
+    return lambda text: [(prefix + k, v) for k, v in parse(text).items()]
+
+
+# The short flags of `distml run`, each a name for one or more settings (`--set KEY=VALUE`
+# reaches every setting, with no flag of its own): flag -> the settings its value gives.
+ALIASES: dict[str, Callable[[Any], list[tuple[str, Any]]]] = {
+    "nproc": lambda n: [("nproc", n)],
+    "nnodes": lambda text: list(zip(("min_nodes", "max_nodes"), parse_nnodes(text), strict=True)),
+    "node_rank": lambda n: [("node_rank", n)],
+    "rdzv_endpoint": lambda text: [("rdzv_endpoint", text)],
+    "max_restarts": lambda n: [("max_restarts", n)],
+    "run_name": lambda text: [("run_name", text)],
+    "runs_dir": lambda path: [("runs_dir", path)],
+    "timeout": lambda s: [("timeout_s", s)],
+    "seed": lambda n: [("seed", n)],
+    "strategy": _each("strategy.", parse_strategy),
+    "mesh": lambda text: [("mesh", parse_mesh(text))],
+    "schedule": lambda text: [("parallel.schedule", text)],
+    "microbatches": lambda n: [("parallel.microbatches", n)],
+    "parallel": _each("parallel.", lambda text: parse_options(text, f"--parallel {text!r}")),
+    "model": _each("model.", lambda text: parse_options(text, f"--model {text!r}")),
+    "simulate_straggler": lambda text: [("telemetry.simulate_straggler", parse_straggler(text))],
+    "consistency": _each("ps.", parse_consistency),
+    "servers": lambda n: [("ps.servers", n)],
+    "backup_workers": lambda n: [("ps.backup_workers", n)],
+    "ps_servers": lambda text: [("ps.addresses", [u for u in text.split(",") if u])],
+}
+
+
+def assignments_of(flags: dict[str, Any], sets: list[str]) -> list[tuple[str, Any]]:
+    """The settings that ``distml run``'s flags (by parameter name; None: not given) and its
+    ``--set KEY=VALUE`` options give, in that order (``--set`` has the last word)."""
+    out = [a for name, value in flags.items() if value is not None for a in ALIASES[name](value)]
+    return out + [parse_assignment(text) for text in sets]
+
+
+def _settings_help() -> str:
+    rows = describe_settings()
+    return "Settings, for --set KEY=VALUE or a --config TOML file:\n\n" + "\n\n".join(
+        escape(f"{key}: {what}")
+        for key, what in rows  # typer reads the epilog as rich markup
+    )
 
 
 Nproc = Annotated[int | None, typer.Option("--nproc", help="Worker processes on this node.")]
@@ -118,7 +113,8 @@ RunsDir = Annotated[Path | None, typer.Option("--runs-dir", help="Where run fold
         "allow_extra_args": True,
         "ignore_unknown_options": True,
         "allow_interspersed_args": False,
-    }
+    },
+    epilog=_settings_help(),
 )
 def run(
     ctx: typer.Context,
@@ -180,50 +176,30 @@ def run(
         int, typer.Option(min=1, help="--strategy auto: the global batch the script trains with.")
     ] = 16,
     config: Annotated[Path | None, typer.Option("--config", help="A TOML run config.")] = None,
+    set_: Annotated[
+        list[str],
+        typer.Option("--set", metavar="KEY=VALUE", help="Any setting (listed below); repeatable."),
+    ] = [],  # noqa: B006  (typer reads the default; it is never mutated)
     module: Annotated[bool, typer.Option("-m", "--module", help="SCRIPT is a module.")] = False,
 ) -> None:
-    """Run SCRIPT [ARGS...] in worker processes, as torchrun would, with restarts and telemetry."""
-    ps: dict[str, Any] = {}
+    """Run SCRIPT [ARGS...] in worker processes, as torchrun would, with restarts and telemetry.
+
+    Every setting has a --set KEY=VALUE (listed below); the flags above are short names for
+    the common ones."""
     auto = strategy == "auto"
     if auto:
         if mesh is not None:
             fail_usage("--strategy auto chooses the mesh: give --mesh or --strategy auto, not both")
         strategy = None
+    flags = {name: value for name, value in locals().items() if name in ALIASES}
     try:
-        if consistency is not None:
-            ps.update(parse_consistency(consistency))
-        if servers is not None:
-            ps["servers"] = servers
-        if backup_workers is not None:
-            ps["backup_workers"] = backup_workers
-        if ps_servers is not None:
-            ps["addresses"] = [u for u in ps_servers.split(",") if u]
-        flags: dict[str, Any] = dict(
-            config_file=config,
-            nproc=nproc,
-            nnodes=nnodes,
-            node_rank=node_rank,
-            rdzv_endpoint=rdzv_endpoint,
-            max_restarts=max_restarts,
-            run_name=run_name,
-            runs_dir=runs_dir,
-            strategy=strategy,
-            mesh=mesh,
-            timeout=timeout,
-            seed=seed,
-            simulate_straggler=simulate_straggler,
-            schedule=schedule,
-            microbatches=microbatches,
-            parallel=parallel,
-            model=model,
-            ps=ps,
-        )
-        cfg = resolve_run_config(**flags)
+        assignments = assignments_of(flags, set_)
+        cfg = resolve_run_config(config, assignments)
         if auto:
-            cfg = _planned_config(cfg, flags, cluster, plan_batch)
+            cfg = _planned_config(cfg, config, assignments, cluster, plan_batch)
     except ConfigError as exc:
         fail_usage(str(exc))
-    if ps and cfg.strategy.name != "ps":
+    if cfg.strategy.name != "ps" and any(key.startswith("ps.") for key, _ in assignments):
         fail_usage("--consistency, --servers, --backup-workers and --ps-servers need --strategy ps")
     if not module and not Path(script).is_file():
         fail_usage(f"no such script: {script}")
@@ -250,7 +226,11 @@ def run(
 
 
 def _planned_config(
-    cfg: RunConfig, flags: dict[str, Any], cluster_file: Path, global_batch: int
+    cfg: RunConfig,
+    config_file: Path | None,
+    assignments: list[tuple[str, Any]],
+    cluster_file: Path,
+    global_batch: int,
 ) -> RunConfig:
     """``--strategy auto``: the run's config under the mesh (and layout options) the cost model
     predicts fastest for this world on the cluster ``distml bench`` measured. The config has
@@ -291,11 +271,10 @@ def _planned_config(
         mesh_sizes, options = mesh_of(pred.layout)
         mesh = ",".join(f"{k}={v}" for k, v in mesh_sizes.items())
         extra = ",".join(f"{k}={str(v).lower()}" for k, v in options.items())
-        parallel = ",".join(x for x in (flags["parallel"], extra) if x) or None
-        try:  # the same flags with the planner's mesh, in the same run folder
-            planned = resolve_run_config(
-                **{**flags, "mesh": mesh, "parallel": parallel, "run_name": cfg.run_name}
-            )
+        planner = [("mesh", mesh_sizes), ("run_name", cfg.run_name)]
+        planner += [(f"parallel.{k}", v) for k, v in options.items()]
+        try:  # the same settings with the planner's mesh, in the same run folder
+            planned = resolve_run_config(config_file, assignments + planner)
         except ConfigError as exc:
             refused.append(f"--mesh {mesh}: {exc}")
             continue

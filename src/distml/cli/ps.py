@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from distml.cli.messages import fail_usage
-from distml.config import ConfigError, PSConfig, build_config, parse_consistency
+from distml.config import ConfigError, build_config, load_config, parse_consistency
 
 ps_app = typer.Typer(
     help="Parameter servers: serve a shard that workers push to and pull from.",
@@ -36,6 +36,10 @@ def serve(
     max_body_mb: Annotated[float, typer.Option(help="Largest request body accepted.")] = 256.0,
     ssl_certfile: Annotated[str | None, typer.Option(help="TLS certificate (PEM).")] = None,
     ssl_keyfile: Annotated[str | None, typer.Option(help="TLS key (PEM).")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="A run's config.toml: its ps settings and workers, for the flags above."),
+    ] = None,
 ) -> None:
     """Serve one parameter-server shard. The token comes from DISTML_TOKEN (>= 16 characters);
     workers send it as a bearer token."""
@@ -45,19 +49,22 @@ def serve(
     from distml.ps.shard import ParameterShard, ShardSettings
 
     try:
-        fields = parse_consistency(consistency)
-        cfg: PSConfig = build_config(
-            strategy={"name": "ps"},
-            nproc=workers,
-            ps={
-                **fields,
-                "backup_workers": backup_workers,
-                "staleness_lr": staleness_lr,
-                "snapshot_every": snapshot_every,
-                "heartbeat_timeout_s": heartbeat_timeout,
-                "max_body_mb": max_body_mb,
-            },
-        ).ps
+        if config is not None:  # a shard of a `distml run --strategy ps` job: the run's settings
+            run = load_config(config)
+            cfg, workers = run.ps, run.world_size
+        else:
+            cfg = build_config(
+                strategy={"name": "ps"},
+                nproc=workers,
+                ps={
+                    **parse_consistency(consistency),
+                    "backup_workers": backup_workers,
+                    "staleness_lr": staleness_lr,
+                    "snapshot_every": snapshot_every,
+                    "heartbeat_timeout_s": heartbeat_timeout,
+                    "max_body_mb": max_body_mb,
+                },
+            ).ps
         token = token_from_env()
     except (ConfigError, ValueError) as exc:
         fail_usage(str(exc))

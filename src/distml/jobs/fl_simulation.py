@@ -17,6 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from distml.data import digits
+from distml.federated.app import create_fl_app
+from distml.federated.client import FederatedClient, parse_attack, run_clients
 from distml.federated.partition import partition
 from distml.federated.server import FederatedServer, ServerConfig
 from distml.federated.strategy import Strategy
@@ -36,10 +41,6 @@ class SimulationConfig:
 
 def _pool_worker(url: str, members: list[tuple[str, str, list[int], bool]], attack: str) -> None:
     """One pool process: the data of its clients, and their answers to every round."""
-    import torch
-
-    from distml.data import digits
-    from distml.federated.client import FederatedClient, parse_attack, run_clients
 
     torch.set_num_threads(1)
     train = digits("train")
@@ -66,8 +67,6 @@ def simulate(
 ) -> dict[str, Any]:
     """Run ``server_config.rounds`` rounds with ``sim.clients`` virtual clients; the summary.
     ``strategy`` may be wrapped in differential privacy or secure aggregation."""
-    from distml.data import digits
-    from distml.federated.app import create_fl_app
 
     if sim.processes < 1 or not 0 <= sim.byzantine < 1:
         raise ValueError(f"need processes >= 1 and 0 <= byzantine < 1, got {sim}")

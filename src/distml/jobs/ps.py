@@ -59,22 +59,11 @@ class Process(ChildProcess):
         super().start(self.argv, env, inherit_output, listen)
 
 
-def shard_argv(config: RunConfig, port: int, snapshot: Path) -> list[str]:
-    """The ``distml ps serve`` command of one shard of this job."""
-    ps = config.ps
-    consistency = f"ssp:{ps.staleness}" if ps.consistency == "ssp" else ps.consistency
-    argv = [
-        sys.executable, "-m", "distml", "ps", "serve",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--workers", str(config.world_size),
-        "--consistency", consistency,
-        "--backup-workers", str(ps.backup_workers),
-        "--snapshot", str(snapshot),
-        "--snapshot-every", str(ps.snapshot_every),
-        "--heartbeat-timeout", str(ps.heartbeat_timeout_s),
-        "--max-body-mb", str(ps.max_body_mb),
-    ]  # fmt: skip
-    return argv + (["--staleness-lr"] if ps.staleness_lr else [])
+def shard_argv(config_path: Path, port: int, snapshot: Path) -> list[str]:
+    """The ``distml ps serve`` command of one shard of the job whose config is at
+    ``config_path``: the shard reads its settings from there."""
+    argv = [sys.executable, "-m", "distml", "ps", "serve", "--config", str(config_path)]
+    return argv + ["--host", "127.0.0.1", "--port", str(port), "--snapshot", str(snapshot)]
 
 
 def wait_healthy(clients: list[ServiceClient], servers: list[Process], timeout: float) -> None:
@@ -114,7 +103,7 @@ def run_ps_job(config: RunConfig, argv: list[str]) -> dict[str, Any]:
                 Process(
                     run_dir / "logs" / f"ps-shard-{k}.log",
                     name=f"shard {k}",
-                    argv=shard_argv(config, port, snapshot),
+                    argv=shard_argv(config_path, port, snapshot),
                     env={TOKEN_ENV: token},
                     url=f"http://127.0.0.1:{port}",
                     listen=listen,

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import cloudpickle
+import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from distml.config import RunConfig, build_config
@@ -19,6 +26,8 @@ T = TypeVar("T")
 def _trampoline(payload: bytes) -> Any:
     # The payload is this same user's function, pickled by the parent process on this machine
     # (cloudpickle, so that functions defined in a notebook travel too); it never crosses a network.
+    # Context is imported here, in the worker: the launching process never builds one, and
+    # need not pay for the runtime's modules.
     from distml.runtime.context import Context
 
     fn, args, kwargs = cloudpickle.loads(payload)
@@ -31,14 +40,7 @@ def _command_worker_main(payload_path: str) -> None:
     its result
     (tensors, numbers, lists and dicts: what ``torch.load(weights_only=True)`` reads back)
     beside the payload, in the launcher's private folder."""
-    import json
-    import os
-    import sys
-    from pathlib import Path
-
-    import torch
-
-    from distml.runtime.context import Context
+    from distml.runtime.context import Context  # as in _trampoline
 
     path = Path(payload_path)
     # The parent's import path, as multiprocessing's spawn passes it: functions pickled by
@@ -60,14 +62,6 @@ def _launch_job(job: Job, config: RunConfig, payload: bytes) -> Any:
     code as this user: they are never put where others may write (the run folder may be
     shared). ``tempfile.mkdtemp`` creates the folder with mode 0700 under a fresh name, so no
     other user can create, replace or read a file in it; it is removed when the job ends."""
-    import json
-    import shutil
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    import torch
-
     private = Path(tempfile.mkdtemp(prefix="distml-launch-"))
     try:
         path = private / "payload.pkl"

@@ -31,6 +31,10 @@ from torch import nn
 from distml.config import ConfigError, read_toml
 from distml.net.untrusted import bounded_json
 
+# torch.distributed.checkpoint (and distml.train.safe_dcp, built on it) is imported in the
+# functions that read or write DCP folders: its import costs about 2 s beyond torch's, which a
+# replica serving a safetensors export, or any plain-file checkpoint, never needs.
+
 # DCP (and the DTensor package it brings) is imported by the functions that touch a checkpoint:
 # half a second of every worker's start-up otherwise, for runs that never save one.
 
