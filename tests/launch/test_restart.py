@@ -195,3 +195,25 @@ def test_distml_script_survives_a_lost_worker(tmp_path, digits_reference, how):
     assert_same_params(Path(summary["export"]), Path(digits_reference["export"]))
     if how == "hang":  # a 20 s timeout, not torch's 30-minute default
         assert time.monotonic() - t0 < 300
+
+
+def test_a_script_that_decides_by_its_restart_count_sees_torchruns_values(tmp_path):
+    """torchrun gives attempt k of K restarts TORCHELASTIC_RESTART_COUNT=k, MAX_RESTARTS=K and
+    one run id: a script that injects a fault on attempt 0 only then succeeds on attempt 1."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = distml_cli(
+        "run", "--nproc", "2", "--max-restarts", "2", "--runs-dir", str(tmp_path / "runs"),
+        "--run-name", "faulty", str(SCRIPTS / "torchrun_restart.py"), str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = {p.stem: json.loads(p.read_text()) for p in out.glob("env-*.json")}
+    assert set(seen) == {"env-0-0", "env-1-0", "env-0-1", "env-1-1"}  # no third attempt
+    for name, env in seen.items():
+        rank, attempt = name.split("-")[1:]
+        assert env["TORCHELASTIC_RESTART_COUNT"] == attempt
+        assert env["TORCHELASTIC_MAX_RESTARTS"] == "2"
+        assert env["TORCHELASTIC_RUN_ID"] == "faulty"  # one id for the run, as torchrun's
+        assert env["ROLE_NAME"] == "default"  # torchrun's --role
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == (rank, rank, "2")
+        assert env["GROUP_RANK"] == "0" and env["GROUP_WORLD_SIZE"] == "1"

@@ -124,7 +124,8 @@ def launch_config(config: RunConfig, attempt: int, local_addr: str) -> LaunchCon
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs,
-        max_restarts=0,
+        max_restarts=0,  # this launcher restarts, with a fresh agent (see the module's docstring)
+        role="default",  # torchrun's --role
         monitor_interval=0.1,
         # A function's workers fork from the preloaded fork server (distml.launch.forkserver),
         # a Python program's too (run_program); any other executable is exec'd.
@@ -151,6 +152,10 @@ _AGENT_VARS = {
     "MASTER_PORT",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 }
+# What torchrun keeps across the restarts of one run, and this launcher's fresh agent per attempt
+# would reset: the restart count (0..K), the most restarts (K) and the run's id. These come from
+# the launcher (run_workers), not the agent, so a script that decides by them sees torchrun's.
+_RUN_VARS = {"TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID"}
 
 
 def _in_launch_environment(environ: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
@@ -160,7 +165,9 @@ def _in_launch_environment(environ: dict[str, str], fn: Callable[..., Any], *arg
     import torch
 
     agent = {
-        k: v for k, v in os.environ.items() if k in _AGENT_VARS or k.startswith("TORCHELASTIC_")
+        k: v
+        for k, v in os.environ.items()
+        if (k in _AGENT_VARS or k.startswith("TORCHELASTIC_")) and k not in _RUN_VARS
     }
     os.environ.clear()
     os.environ.update({**environ, **agent})
@@ -253,7 +260,14 @@ def run_workers(
         start_fork_server()
     last: list[WorkerFailure] = []
     for attempt in range(config.max_restarts + 1):
-        env = {CONFIG_ENV: str(config_path.resolve()), ATTEMPT_ENV: str(attempt), **worker_env}
+        env = {
+            CONFIG_ENV: str(config_path.resolve()),
+            ATTEMPT_ENV: str(attempt),
+            "TORCHELASTIC_RESTART_COUNT": str(attempt),
+            "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+            "TORCHELASTIC_RUN_ID": config.run_name,
+            **worker_env,
+        }
         with _worker_env(env):
             if callable(entrypoint):
                 target, target_args = _in_launch_environment, (dict(os.environ), entrypoint, *args)
