@@ -27,9 +27,16 @@ EXAMPLES = ROOT / "examples"
 SCRIPTS = Path(__file__).resolve().parent / "launch" / "scripts"
 
 
-def distml_cli(*args: str, timeout: float = 240, cwd: Path | None = None, **popen):
-    """Run ``python -m distml ARGS`` and return the CompletedProcess (text, captured)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+def distml_cli(
+    *args: str,
+    timeout: float = 240,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    **popen,
+):
+    """Run ``python -m distml ARGS`` and return the CompletedProcess (text, captured); ``env``
+    adds to this process's environment."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "distml", *args],
         capture_output=True,

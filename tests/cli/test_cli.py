@@ -51,7 +51,7 @@ GPT = str(EXAMPLES / "gpt" / "train.py")
         (["run", "--nproc", "2", "--simulate-straggler", "5:2", TRAIN], "RANK must be in"),
         (["run", "--strategy", "ddp:compression=zip", TRAIN], "compression"),
         (["run", "--run-name", "../escape", TRAIN], "run_name"),
-        (["run", "--nproc", "two", TRAIN], "Invalid value for '--nproc'"),
+        (["run", "--nproc", "two", TRAIN], "--nproc 'two': expected a number, auto, cpu or gpu"),
         (["demo", "--epochs", "0"], "--epochs must be >= 1"),
         (["demo", "--finetune-epochs", "0"], "--finetune-epochs must be >= 1"),
     ],

@@ -217,3 +217,23 @@ def test_a_script_that_decides_by_its_restart_count_sees_torchruns_values(tmp_pa
         assert env["ROLE_NAME"] == "default"  # torchrun's --role
         assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == (rank, rank, "2")
         assert env["GROUP_RANK"] == "0" and env["GROUP_WORLD_SIZE"] == "1"
+
+
+def test_torchruns_flags_and_pet_variables_name_the_same_settings(tmp_path):
+    """torchrun's spellings (``--nproc_per_node``, ``--max-restarts``...) and the ``PET_*``
+    variables Kubeflow's PyTorchJob hands over start the same world as distml's flags."""
+    script = str(SCRIPTS / "torchrun_restart.py")
+    for name, args, env in [
+        ("flags", ["--nproc_per_node", "3", "--standalone", "--max_restarts", "1"], {}),
+        ("pet", [], {"PET_NPROC_PER_NODE": "3", "PET_MAX_RESTARTS": "1", "PET_NNODES": "1"}),
+    ]:
+        out = tmp_path / name
+        out.mkdir()
+        proc = distml_cli(
+            "run", *args, "--runs-dir", str(tmp_path / "runs"), "--run-name", name, script,
+            str(out), env=env,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        seen = [json.loads(p.read_text()) for p in sorted(out.glob("env-*-1.json"))]
+        assert [e["WORLD_SIZE"] for e in seen] == ["3"] * 3  # attempt 1 of at most 1 restart
+        assert {e["TORCHELASTIC_MAX_RESTARTS"] for e in seen} == {"1"}

@@ -58,6 +58,22 @@ def resolve_run_config(config_file: Path | None, assignments: list[tuple[str, An
     return build_config(**fields)
 
 
+def parse_nproc(text: str | int) -> int:
+    """``--nproc``: a number, or torchrun's ``auto`` (the GPUs, else the cores), ``gpu`` or
+    ``cpu`` (the cores)."""
+    text = str(text).strip()
+    if text.isdigit():
+        return int(text)
+    if text in ("auto", "gpu", "cpu"):
+        import torch  # only for these words: `distml run --help` does not import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if text == "gpu" and not gpus:
+            raise ConfigError("--nproc gpu: this machine has no GPU")
+        return gpus if text != "cpu" and gpus else os.cpu_count() or 1
+    raise ConfigError(f"--nproc {text!r}: expected a number, auto, cpu or gpu")
+
+
 def _each(prefix: str, parse: Callable[[str], dict[str, Any]]) -> Callable[[Any], list]:
     return lambda text: [(prefix + k, v) for k, v in parse(text).items()]
 
@@ -65,7 +81,7 @@ def _each(prefix: str, parse: Callable[[str], dict[str, Any]]) -> Callable[[Any]
 # The short flags of `distml run`, each a name for one or more settings (`--set KEY=VALUE`
 # reaches every setting, with no flag of its own): flag -> the settings its value gives.
 ALIASES: dict[str, Callable[[Any], list[tuple[str, Any]]]] = {
-    "nproc": lambda n: [("nproc", n)],
+    "nproc": lambda text: [("nproc", parse_nproc(text))],
     "nnodes": lambda text: list(zip(("min_nodes", "max_nodes"), parse_nnodes(text), strict=True)),
     "node_rank": lambda n: [("node_rank", n)],
     "rdzv_endpoint": lambda text: [("rdzv_endpoint", text)],
@@ -103,7 +119,6 @@ def _settings_help() -> str:
     )
 
 
-Nproc = Annotated[int | None, typer.Option("--nproc", help="Worker processes on this node.")]
 RunName = Annotated[str | None, typer.Option("--run-name", help="Folder name under runs/.")]
 RunsDir = Annotated[Path | None, typer.Option("--runs-dir", help="Where run folders go.")]
 
@@ -119,11 +134,49 @@ RunsDir = Annotated[Path | None, typer.Option("--runs-dir", help="Where run fold
 def run(
     ctx: typer.Context,
     script: Annotated[str, typer.Argument(help="The training script (or module with -m).")],
-    nproc: Nproc = None,
-    nnodes: Annotated[str | None, typer.Option(help="N or MIN:MAX nodes.")] = None,
-    node_rank: Annotated[int | None, typer.Option(help="Fixed rank of this node.")] = None,
-    rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT of the rendezvous.")] = None,
-    max_restarts: Annotated[int | None, typer.Option(help="Restarts after a failure.")] = None,
+    # torchrun's spellings and its PET_* variables (Kubeflow's PyTorchJob, TorchX) name the same
+    # settings as distml's own flags; a flag has the last word over its variable.
+    nproc: Annotated[
+        str | None,
+        typer.Option(
+            "--nproc",
+            "--nproc-per-node",
+            "--nproc_per_node",
+            envvar="PET_NPROC_PER_NODE",
+            help="Worker processes on this node: N, or auto, cpu or gpu as torchrun reads them.",
+        ),
+    ] = None,
+    nnodes: Annotated[
+        str | None, typer.Option(envvar="PET_NNODES", help="N or MIN:MAX nodes.")
+    ] = None,
+    node_rank: Annotated[
+        int | None,
+        typer.Option(
+            "--node-rank", "--node_rank", envvar="PET_NODE_RANK", help="Fixed rank of this node."
+        ),
+    ] = None,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--rdzv-endpoint",
+            "--rdzv_endpoint",
+            envvar="PET_RDZV_ENDPOINT",
+            help="HOST:PORT of the rendezvous.",
+        ),
+    ] = None,
+    max_restarts: Annotated[
+        int | None,
+        typer.Option(
+            "--max-restarts",
+            "--max_restarts",
+            envvar="PET_MAX_RESTARTS",
+            help="Restarts after a failure.",
+        ),
+    ] = None,
+    standalone: Annotated[
+        bool,
+        typer.Option("--standalone", help="One node, with a rendezvous of its own (the default)."),
+    ] = False,
     run_name: RunName = None,
     runs_dir: RunsDir = None,
     strategy: Annotated[
@@ -186,6 +239,8 @@ def run(
 
     Every setting has a --set KEY=VALUE (listed below); the flags above are short names for
     the common ones."""
+    if standalone and (rdzv_endpoint is not None or parse_nnodes(nnodes or "1") != (1, 1)):
+        fail_usage("--standalone is one node: give it without --rdzv-endpoint and --nnodes")
     auto = strategy == "auto"
     if auto:
         if mesh is not None:
