@@ -38,7 +38,8 @@ def train_worker(ctx: distml.Context, steps: int, batch: int, momentum: float = 
                 break
     summary = ctx.finish()
     # DDP wraps the model; a parameter-server worker trains the plain one.
-    return {"params": flat_params(getattr(model, "module", model)), "summary": summary}
+    plain = getattr(model, "module", model)
+    return {"params": flat_params(plain), "summary": summary, "wrapper": type(model).__name__}
 
 
 def single_process(steps: int, batch: int, momentum: float = 0.9) -> torch.Tensor:

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from dp_oracle import BATCH, SIZES, dataset, single_process
+from dp_oracle import BATCH, SIZES, dataset, single_process, train_worker
 
 import distml
 from conftest import rel_err
@@ -19,19 +19,7 @@ STEPS = 12
 
 
 def worker(ctx: distml.Context, momentum: float) -> dict:
-    model = MLP(SIZES)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
-    model, optimizer = ctx.setup(model, optimizer)
-    loader = ctx.dataloader(dataset(), batch_size=BATCH)
-    for x, y in loader:
-        ctx.train_step((x, y), lambda b: F.cross_entropy(model(b[0]), b[1]))
-        if ctx.step == STEPS:
-            break
-    summary = ctx.finish()
-    return {
-        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-        "summary": summary,
-    }
+    return train_worker(ctx, STEPS, BATCH, momentum)
 
 
 def by_definition(world: int, h: int, outer_lr: float, outer_momentum: float) -> torch.Tensor:

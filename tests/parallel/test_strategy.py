@@ -6,9 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
-import torch.nn.functional as F
-from dp_oracle import BATCH, SIZES, dataset, flat_params
+from dp_oracle import BATCH, train_worker
 from param_averaging import ParameterAveraging
 
 import distml
@@ -16,7 +14,6 @@ from conftest import rel_err
 from distml.config import STRATEGY_NAMES, RunConfig, build_config, config_from_env
 from distml.jobs.strategy_jobs import JOBS, strategy_job
 from distml.launch.elastic import run_workers
-from distml.models import MLP
 from distml.parallel.registry import STRATEGIES, strategy_for
 from distml.parallel.strategy import TrainingStrategy
 from distml.runtime.context import Context
@@ -40,16 +37,7 @@ def test_a_mesh_that_splits_the_model_is_laid_out_whatever_the_name(mesh):
 
 def train(ctx: distml.Context) -> dict[str, Any]:
     """Plain SGD (no momentum: the averaging oracle holds for it only) on each rank's shard."""
-    model = MLP(SIZES)
-    model, optimizer = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    loader = ctx.dataloader(dataset(), batch_size=BATCH)
-    for x, y in loader:
-        ctx.train_step((x, y), lambda b: F.cross_entropy(model(b[0]), b[1]))
-        if ctx.step == STEPS:
-            break
-    summary = ctx.finish()
-    params = flat_params(getattr(model, "module", model))
-    return {"params": params, "summary": summary, "wrapper": type(model).__name__}
+    return train_worker(ctx, STEPS, BATCH, momentum=0.0)
 
 
 def train_param_averaging() -> dict[str, Any]:
