@@ -132,9 +132,9 @@ def replica(
 ) -> None:
     """Serve one replica of CHECKPOINT (put a router in front of several)."""
     # Requests come with gaps between them, and OpenMP's threads spin through each gap unless
-    # told to sleep: a replica with 2 threads burned 6.6 ms of CPU per one-row request of the
-    # digits CNN spinning, 1.0 ms passive, and the spinning starves the router and the other
-    # replicas of the same cores. libgomp reads this once, when torch is first imported.
+    # told to sleep: the spinning costs a replica several times a request's own CPU (figures in
+    # BENCHMARKS.md, serving) and starves the router and the other replicas of the same cores.
+    # libgomp reads this once, when torch is first imported.
     if "torch" not in sys.modules:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from distml.config import ConfigError
