@@ -11,6 +11,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save_file
 from torch.utils.data import TensorDataset
 
+# scikit-learn is imported only to read the digits the first time; the cache serves after.
+
 CACHE_ENV = "DISTML_CACHE"
 
 

@@ -15,6 +15,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from distml.federated.privacy import ledger_of
+
 FILE = "global.safetensors"
 
 
@@ -47,7 +49,5 @@ def load_checkpoint(
     strategy = {k[9:]: t for k, t in tensors.items() if k.startswith("strategy/")}
     legacy = state.pop("dp", None)  # the privacy ledger, before it was the strategy's state
     if isinstance(legacy, dict) and legacy.get("history"):
-        from distml.federated.privacy import ledger_of
-
         strategy = ledger_of(legacy["history"]) | strategy
     return params, strategy, state

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.utils.data import TensorDataset
 
+from distml.federated.secure_client import SecureSession
 from distml.federated.task import Params, build_model, evaluate, set_params, train_local
 from distml.net import ServiceClient, ServiceError, decode_tensors, encode_tensors
 
@@ -153,7 +154,6 @@ def run_secure_round(selected: list[tuple[FederatedClient, dict[str, Any]]]) -> 
     """This process's selected clients through the four stages of secure aggregation, stage by
     stage together (each stage closes only when every client of the round has answered it). A
     client the protocol leaves out, or that cannot go on safely, sits the round out."""
-    from distml.federated.secure_client import SecureSession
 
     sessions = [SecureSession(client, task) for client, task in selected]
     for stage in ("advertise", "share_keys", "masked_input", "unmask"):

@@ -38,6 +38,8 @@ from distml.net import (
     read_body,
 )
 
+# peft is imported only where a contribution is a LoRA adapter: it costs seconds to import.
+
 if TYPE_CHECKING:
     import httpx
 

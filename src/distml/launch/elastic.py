@@ -9,9 +9,11 @@ rendezvous endpoint across hosts), so a restart works for any script, torchrun s
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import logging
 import os
+import runpy
 import socket
 import struct
 import sys
@@ -20,9 +22,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.run import run_script_path
 
 from distml.config import CONFIG_ENV, ConfigError, RunConfig, parse_endpoint, save_config
 from distml.devices import gpu_share_error
@@ -162,7 +166,6 @@ def _in_launch_environment(environ: dict[str, str], fn: Callable[..., Any], *arg
     """Run ``fn(*args)`` in a forked worker under ``environ``, the launching process's
     environment when it launched (the fork server's is that of its own start), with the agent's
     variables kept, and torch's threads as ``OMP_NUM_THREADS`` says, as a new process reads it."""
-    import torch
 
     agent = {
         k: v
@@ -182,10 +185,6 @@ def run_program(argv: list[str], cwd: str) -> None:
     *args]`` or ``["-m", module, *args]``; ``sys.path[0]`` is what the interpreter would have set,
     and the program's ``atexit`` functions run when it ends, as at an interpreter's exit.
     An uncaught exception is reported with its traceback, in the restart notice or LaunchError."""
-    import atexit
-    import runpy
-
-    from torch.distributed.run import run_script_path
 
     os.chdir(cwd)
     sys.stdout.reconfigure(line_buffering=True)  # the worker's output interleaves by lines

@@ -12,9 +12,12 @@ import asyncio
 import hashlib
 import inspect
 import logging
+import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -201,7 +204,6 @@ def serve(
     """Serve ``app`` until SIGINT/SIGTERM (uvicorn finishes the requests in flight first), on
     ``host:port``, or on the listening socket the process that started this one handed over
     (:data:`distml.net.ports.LISTEN_FD_ENV`)."""
-    import uvicorn
 
     config = uvicorn.Config(
         app,
@@ -225,9 +227,6 @@ class BackgroundServer:
     """
 
     def __init__(self, app: FastAPI, port: int = 0, host: str = "127.0.0.1"):
-        import threading
-
-        import uvicorn
 
         self._socket = listening_socket(host, port)  # port 0: a free one, bound from now on
         self.url = f"http://{host}:{self._socket.getsockname()[1]}"
@@ -239,7 +238,6 @@ class BackgroundServer:
         )
 
     def __enter__(self) -> BackgroundServer:
-        import time
 
         self._thread.start()
         while not self._server.started:

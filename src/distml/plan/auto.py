@@ -26,7 +26,7 @@ ZERO_STAGES = (0, 2, 3)  # the ones a distml mesh can express
 def gpt_params(cfg: GPTConfig) -> int:
     """The exact parameter count of ``distml.models.GPT(cfg)``, built on the meta device (no
     memory, whatever its size)."""
-    import torch
+    import torch  # here: `distml plan` and the cost model run without torch
 
     from distml.models import GPT
 

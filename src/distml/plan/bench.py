@@ -21,6 +21,8 @@ from distml.plan.calibration import Calibration
 from distml.plan.cost_model import Cluster, Device
 from distml.plan.timing import median_time
 
+# pynvml is optional (GPUs only); the profiler's modules load only when a GPT is profiled.
+
 
 def matmul_flops(
     device: torch.device, n: int = 1024, repeats: int = 5, per_block: int = 4

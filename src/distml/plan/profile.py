@@ -40,6 +40,9 @@ from distml.config import GPTConfig
 from distml.models.gpt import GPT, Block, lm_loss
 from distml.plan.timing import median_time
 
+# scipy and torch's DTensor, FSDP and device-mesh modules are imported by the functions that
+# profile those layouts: a plain profile, and `distml plan`, never pay for them.
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 SIZES = (2**16, 2**18, 2**20, 2**22, 2**24)  # bytes per rank's input
 

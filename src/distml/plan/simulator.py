@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+# matplotlib is imported only to draw a Gantt chart: it costs about a second.
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 

@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from distml.ps.optimizer_spec import build_optimizer, validate_optimizer_spec
@@ -63,7 +64,6 @@ def save_snapshot(shard: ParameterShard, path: Path) -> Path:
 
 def load_snapshot(shard: ParameterShard, path: Path) -> None:
     """Restore ``shard`` from ``path``: it carries on at the snapshot's version."""
-    from safetensors import safe_open
 
     with safe_open(path, "pt") as f:
         meta = json.loads(f.metadata()["distml"])

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 from urllib.parse import quote
 
+import uvicorn
 from fastapi import FastAPI, HTTPException, Path, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import Counter, Gauge, Histogram
@@ -131,7 +132,6 @@ def run_router(
 ) -> None:
     """Serve until a signal, draining first (uvicorn alone would stop listening at once, and a
     client would see refused connections instead of a 503 it can act on)."""
-    import uvicorn
 
     class DrainingServer(uvicorn.Server):
         # Exit flags are set directly: uvicorn re-raises the signals its own handler recorded

@@ -17,6 +17,8 @@ import glob
 import time
 from pathlib import Path
 
+# pynvml is optional: imported only where a GPU may hold an energy counter.
+
 
 class EnergyMeter:
     """A cumulative joule counter; ``source`` says how the number is obtained."""

@@ -41,6 +41,8 @@ from torch import nn
 from distml.config import ConfigError, describe_errors
 from distml.net.untrusted import bounded_json
 
+# peft is imported only for a LoRA fine-tune: it costs seconds to import.
+
 if TYPE_CHECKING:
     from peft import PeftModel
 

@@ -15,6 +15,9 @@ import optuna
 
 from distml.config import ConfigError
 
+# SQLAlchemy's URL helpers are imported where a URL is checked (optuna imports SQLAlchemy
+# lazily itself).
+
 DEFAULT_STORAGE = "sqlite:///study.db"
 HEARTBEAT_S = 10
 # A trial whose heartbeat is older than GRACE_FACTOR heartbeats belongs to a dead worker.

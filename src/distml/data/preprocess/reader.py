@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 from distml.data.preprocess.output import MANIFEST
@@ -120,7 +121,6 @@ class PreprocessedShards(IterableDataset):
 
 
 def _dist_rank() -> tuple[int, int]:
-    import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()

@@ -42,6 +42,8 @@ from distml.data.preprocess.sources import (
     without_password,
 )
 
+# SQLAlchemy (an optional extra) is imported only for SQL sources.
+
 ATTEMPT = re.compile(r"\d{1,18}\.\d{1,18}")
 _SOURCE = TypeAdapter(Source)
 _SHARD = TypeAdapter(ShardModel)

@@ -33,6 +33,8 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
+# SQLAlchemy (an optional extra) is imported only by the SQL source's functions.
+
 Shard = dict[str, Any]  # {"id": int, "kind": ..., what the reader needs}
 
 
