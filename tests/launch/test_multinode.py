@@ -217,9 +217,12 @@ def reference(tmp_path_factory) -> Run:
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)
-@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+@pytest.mark.parametrize("rendezvous", ["c10d", "static", "slurm"])
 def test_two_hosts_train_like_one(lan: Lan, tmp_path: Path, reference: Run, rendezvous: str):
     endpoint = f"{lan.hosts[0].addr}:{PORT}"  # node a hosts the rendezvous
+    # As srun sets it for each task: the node list in Slurm's compact form, as "10.213.77.[1,2]"
+    octets = ",".join(h.addr.rsplit(".", 1)[1] for h in lan.hosts)
+    nodelist = f"{lan.hosts[0].addr.rsplit('.', 1)[0]}.[{octets}]"
     procs = {}
     for node_rank, host in enumerate(lan.hosts):
         args = [
@@ -228,8 +231,15 @@ def test_two_hosts_train_like_one(lan: Lan, tmp_path: Path, reference: Run, rend
         ]  # fmt: skip
         if rendezvous == "static":
             args += ["--node-rank", str(node_rank)]
+        slurm = []
+        if rendezvous == "slurm":  # the node count, rank and rendezvous come from Slurm alone
+            args = ["--nproc", "1", *args[6:]]
+            slurm = [
+                "env", f"SLURM_JOB_NODELIST={nodelist}", "SLURM_JOB_NUM_NODES=2",
+                f"SLURM_NODEID={node_rank}", f"MASTER_PORT={PORT}", "SLURM_JOB_ID=1",
+            ]  # fmt: skip
         procs[host.hostname] = _start(
-            _host_command(lan, host, *_distml(*args)), tmp_path / f"{host.hostname}.log"
+            _host_command(lan, host, *slurm, *_distml(*args)), tmp_path / f"{host.hostname}.log"
         )
     codes = _wait_all(procs, RUN_TIMEOUT_S)
     context = _outputs(procs, codes)
@@ -239,7 +249,7 @@ def test_two_hosts_train_like_one(lan: Lan, tmp_path: Path, reference: Run, rend
     # either host. With static rendezvous node a has rank 0.
     run_dirs = [tmp_path / h.hostname / "two-hosts" for h in lan.hosts]
     run = _load_run(run_dirs, context)
-    if rendezvous == "static":
+    if rendezvous in ("static", "slurm"):
         assert run.run_dir == run_dirs[0], context
     summary, params = run.summary, run.params
     ref_summary, ref_params = reference.summary, reference.params

@@ -27,6 +27,7 @@ from distml.config import (
     parse_strategy,
     set_value,
 )
+from distml.launch.slurm import slurm_settings
 
 app = typer.Typer(
     name="distml",
@@ -248,7 +249,8 @@ def run(
         strategy = None
     flags = {name: value for name, value in locals().items() if name in ALIASES}
     try:
-        assignments = assignments_of(flags, set_)
+        # Under srun, Slurm's environment places this node; the flags have the last word.
+        assignments = slurm_settings(os.environ) + assignments_of(flags, set_)
         cfg = resolve_run_config(config, assignments)
         if auto:
             cfg = _planned_config(cfg, config, assignments, cluster, plan_batch)
