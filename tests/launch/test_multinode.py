@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.netns, pytest.mark.distributed]
@@ -217,7 +219,32 @@ def reference(tmp_path_factory) -> Run:
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 60)
-@pytest.mark.parametrize("rendezvous", ["c10d", "static", "slurm"])
+def pytorchjob_manifest() -> dict:
+    """The PyTorchJob manifest of the README's "Across machines" section."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(
+        r"```yaml\n(apiVersion: kubeflow.org/v1\nkind: PyTorchJob\n.*?)```", text, re.S
+    )
+    assert block, "the README has no PyTorchJob manifest"
+    return yaml.safe_load(block.group(1))
+
+
+def pytorchjob_commands(lan: Lan) -> list[tuple[list[str], list[str]]]:
+    """Each replica's container command, and the variables training-operator gives it: the
+    master's address and port, the node count and rank, and nprocPerNode."""
+    spec = pytorchjob_manifest()["spec"]
+    out = []
+    for replica in ("Master", "Worker"):
+        container = spec["pytorchReplicaSpecs"][replica]["template"]["spec"]["containers"][0]
+        env = [
+            f"PET_MASTER_ADDR={lan.hosts[0].addr}", f"PET_MASTER_PORT={PORT}", "PET_NNODES=2",
+            f"PET_NODE_RANK={len(out)}", f"PET_NPROC_PER_NODE={spec['nprocPerNode']}",
+        ]  # fmt: skip
+        out.append((container["command"], env))
+    return out
+
+
+@pytest.mark.parametrize("rendezvous", ["c10d", "static", "slurm", "pytorchjob"])
 def test_two_hosts_train_like_one(lan: Lan, tmp_path: Path, reference: Run, rendezvous: str):
     endpoint = f"{lan.hosts[0].addr}:{PORT}"  # node a hosts the rendezvous
     # As srun sets it for each task: the node list in Slurm's compact form, as "10.213.77.[1,2]"
@@ -231,15 +258,22 @@ def test_two_hosts_train_like_one(lan: Lan, tmp_path: Path, reference: Run, rend
         ]  # fmt: skip
         if rendezvous == "static":
             args += ["--node-rank", str(node_rank)]
-        slurm = []
+        slurm: list[str] = []  # variables set before the command, as srun or an operator does
         if rendezvous == "slurm":  # the node count, rank and rendezvous come from Slurm alone
             args = ["--nproc", "1", *args[6:]]
             slurm = [
                 "env", f"SLURM_JOB_NODELIST={nodelist}", "SLURM_JOB_NUM_NODES=2",
                 f"SLURM_NODEID={node_rank}", f"MASTER_PORT={PORT}", "SLURM_JOB_ID=1",
             ]  # fmt: skip
+        argv = _distml(*args)
+        if rendezvous == "pytorchjob":  # the README manifest's command, in the operator's env
+            command, env = pytorchjob_commands(lan)[node_rank]
+            assert command[:2] == ["distml", "run"] and command[3:] == list(TRAIN_ARGS)
+            folders = ["--run-name", "two-hosts", "--runs-dir", str(tmp_path / host.hostname)]
+            slurm = ["env", *env]
+            argv = [sys.executable, "-m", "distml", "run", *folders, *command[2:]]
         procs[host.hostname] = _start(
-            _host_command(lan, host, *slurm, *_distml(*args)), tmp_path / f"{host.hostname}.log"
+            _host_command(lan, host, *slurm, *argv), tmp_path / f"{host.hostname}.log"
         )
     codes = _wait_all(procs, RUN_TIMEOUT_S)
     context = _outputs(procs, codes)
@@ -249,7 +283,7 @@ def test_two_hosts_train_like_one(lan: Lan, tmp_path: Path, reference: Run, rend
     # either host. With static rendezvous node a has rank 0.
     run_dirs = [tmp_path / h.hostname / "two-hosts" for h in lan.hosts]
     run = _load_run(run_dirs, context)
-    if rendezvous in ("static", "slurm"):
+    if rendezvous != "c10d":  # static rendezvous: node a has rank 0
         assert run.run_dir == run_dirs[0], context
     summary, params = run.summary, run.params
     ref_summary, ref_params = reference.summary, reference.params

@@ -174,6 +174,24 @@ def run(
             help="Restarts after a failure.",
         ),
     ] = None,
+    master_addr: Annotated[
+        str | None,
+        typer.Option(
+            "--master-addr",
+            "--master_addr",
+            envvar="PET_MASTER_ADDR",
+            help="torchrun's: the rendezvous host, when --rdzv-endpoint is not given.",
+        ),
+    ] = None,
+    master_port: Annotated[
+        int | None,
+        typer.Option(
+            "--master-port",
+            "--master_port",
+            envvar="PET_MASTER_PORT",
+            help="torchrun's: the rendezvous port with --master-addr [default: 29500].",
+        ),
+    ] = None,
     standalone: Annotated[
         bool,
         typer.Option("--standalone", help="One node, with a rendezvous of its own (the default)."),
@@ -247,6 +265,8 @@ def run(
         if mesh is not None:
             fail_usage("--strategy auto chooses the mesh: give --mesh or --strategy auto, not both")
         strategy = None
+    if rdzv_endpoint is None and master_addr is not None:  # as torchrun reads them
+        rdzv_endpoint = f"{master_addr}:{master_port or 29500}"
     flags = {name: value for name, value in locals().items() if name in ALIASES}
     try:
         # Under srun, Slurm's environment places this node; the flags have the last word.
