@@ -108,3 +108,18 @@ def test_the_command_line_refuses_a_bad_setting_before_anything_starts(tmp_path)
     result = distml_invoke("run", "--set", "ps.server=2", str(script), cwd=tmp_path)
     assert result.exit_code == 2
     assert "did you mean ps.servers" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--standalone", "--nnodes", "2"],
+        ["--standalone", "--nnodes", "x"],
+        ["--standalone", "--rdzv-endpoint", "h:1"],
+        ["--standalone", "--master-addr", "h"],
+    ],
+)
+def test_standalone_is_one_node(tmp_path, args):
+    result = distml_invoke("run", *args, "train.py", cwd=tmp_path)
+    assert result.exit_code == 2
+    assert "--standalone is one node" in result.stderr

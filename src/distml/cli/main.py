@@ -258,7 +258,7 @@ def run(
 
     Every setting has a --set KEY=VALUE (listed below); the flags above are short names for
     the common ones."""
-    if standalone and (rdzv_endpoint is not None or parse_nnodes(nnodes or "1") != (1, 1)):
+    if standalone and (rdzv_endpoint or master_addr or nnodes not in (None, "1", "1:1")):
         fail_usage("--standalone is one node: give it without --rdzv-endpoint and --nnodes")
     auto = strategy == "auto"
     if auto:
