@@ -15,9 +15,12 @@ from gpt_oracle import train as gpt_train
 import distml
 from conftest import EXAMPLES, distml_cli, rel_err
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device, and DISTML_TEST_CUDA=1"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device, and DISTML_TEST_CUDA=1"
+    ),
+    pytest.mark.distributed,
+]
 
 
 def on_gpu(ctx: distml.Context, fn, *args) -> dict:

@@ -19,10 +19,13 @@ from distml.launch.elastic import free_port
 from distml.tune import open_storage, tune
 from distml.tune.liveness import WORKER
 
-pytestmark = pytest.mark.skipif(
-    not (shutil.which("initdb") and shutil.which("pg_ctl")),
-    reason="needs PostgreSQL's initdb and pg_ctl on PATH",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (shutil.which("initdb") and shutil.which("pg_ctl")),
+        reason="needs PostgreSQL's initdb and pg_ctl on PATH",
+    ),
+    pytest.mark.distributed,  # a PostgreSQL server and tune's workers
+]
 QUADRATIC = f"{Path(__file__).resolve().parent / 'objectives.py'}:quadratic"
 
 
