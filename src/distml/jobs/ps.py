@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import sys
 import time
 from collections import Counter
@@ -49,14 +48,12 @@ class Process(ChildProcess):
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     url: str = ""  # a shard's
-    listen: socket.socket | None = None  # a shard's port, bound, until its first start
 
     def start(self, attempt: int | None = None, inherit_output: bool = False) -> None:
         env = {**os.environ, **self.env}
         if attempt is not None:
             env[ATTEMPT_ENV] = str(attempt)
-        listen, self.listen = self.listen, None  # a restarted shard binds its port again
-        super().start(self.argv, env, inherit_output, listen)
+        super().start(self.argv, env, inherit_output)
 
 
 def shard_argv(config_path: Path, port: int, snapshot: Path) -> list[str]:

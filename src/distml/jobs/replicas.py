@@ -9,7 +9,6 @@ takes a dead replica out of rotation on its own; restarting it is this file's on
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -51,8 +50,7 @@ class ReplicaCommand:
 
 @dataclass(eq=False, kw_only=True)
 class ReplicaProcess(ChildProcess):
-    listen: socket.socket | None  # its port, bound, until the first start hands it over
-    port: int = 0
+    port: int = 0  # the port of the socket it is first handed
 
     def __post_init__(self) -> None:
         if self.listen is not None:
@@ -100,8 +98,7 @@ class ReplicaSet:
 
     def start(self) -> ReplicaSet:
         for p in self.processes:
-            listen, p.listen = p.listen, None  # a restarted replica binds its port again
-            p.start(self.command.argv(p.port), self._env, listen=listen)
+            p.start(self.command.argv(p.port), self._env)
         self._watch.start()
         return self
 

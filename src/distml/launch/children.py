@@ -37,18 +37,20 @@ class ChildProcess:
     popen: subprocess.Popen | None = None
     restarts: int = 0
     exits: list[int] = field(default_factory=list)
+    listen: socket.socket | None = None  # a service's port, bound, until its first start
 
     def start(
         self,
         argv: list[str],
         env: dict[str, str],
         inherit_output: bool = False,
-        listen: socket.socket | None = None,
     ) -> None:
         """Start an incarnation; with ``inherit_output`` it writes to this process's terminal
-        instead of the log. A service is handed ``listen``, a bound socket to serve on
-        (:data:`distml.net.ports.LISTEN_FD_ENV`), which this process then closes: the child
-        owns the port from the moment it was chosen."""
+        instead of the log. The first incarnation of a service is handed ``listen``, a bound
+        socket to serve on (:data:`distml.net.ports.LISTEN_FD_ENV`), which this process then
+        closes: the child owns the port from the moment it was chosen, and a restarted one
+        binds it again."""
+        listen, self.listen = self.listen, None
         fds: tuple[int, ...] = ()
         if listen is not None:
             fds = (listen.fileno(),)
