@@ -87,27 +87,27 @@ def plain_pp_stage(model: GPT, rank: int, stages: int) -> GPT:
 
 def build_plain(ctx: distml.Context, par: dict):
     """The layout by hand: pipeline cut, then TP, then FSDP/HSDP; returns a step function."""
-    dims, mesh = ctx.dims, ctx.mesh
+    layout, mesh = ctx.layout, ctx.mesh
     model = GPT(MODEL)
-    if dims.pp > 1:
-        model = plain_pp_stage(model, mesh["pp"].get_local_rank(), dims.pp)
-    if dims.tp > 1:
+    if layout.pp > 1:
+        model = plain_pp_stage(model, mesh["pp"].get_local_rank(), layout.pp)
+    if layout.tp > 1:
         plain_tp(model, mesh["tp"])
     if par.get("activation_checkpointing") == "full":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         for key in list(model.blocks):
             model.blocks[key] = checkpoint_wrapper(model.blocks[key], preserve_rng_state=False)
-    if dims.fsdp > 1 or (dims.dp > 1 and dims.model_parallel):
-        data = mesh["dp", "fsdp"] if dims.dp > 1 else mesh["fsdp"]
+    if layout.fsdp > 1 or (layout.dp > 1 and layout.model_parallel):
+        data = mesh["dp", "fsdp"] if layout.dp > 1 else mesh["fsdp"]
         reshard = par.get("reshard_after_forward", True)
         for block in model.blocks.values():
             fully_shard(block, mesh=data, reshard_after_forward=reshard)
         fully_shard(model, mesh=data, reshard_after_forward=reshard)
-    elif not dims.model_parallel:
+    elif not layout.model_parallel:
         model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if dims.pp == 1:
+    if layout.pp == 1:
 
         def step(x, y):
             lm_loss(model(x), y).backward()
@@ -116,13 +116,13 @@ def build_plain(ctx: distml.Context, par: dict):
 
         return step
     rank = mesh["pp"].get_local_rank()
-    stage = PipelineStage(model, rank, dims.pp, ctx.device, group=mesh["pp"].get_group())
+    stage = PipelineStage(model, rank, layout.pp, ctx.device, group=mesh["pp"].get_group())
     schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=lm_loss)
 
     def pp_step(x, y):
         if rank == 0:
             schedule.step(x)
-        elif rank == dims.pp - 1:
+        elif rank == layout.pp - 1:
             schedule.step(target=y, losses=[])
         else:
             schedule.step()

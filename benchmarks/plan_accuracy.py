@@ -46,7 +46,9 @@ from model_parallel import (  # noqa: E402
 )
 
 import distml  # noqa: E402
-from distml.plan.auto import gpt_params, layout_of, model_spec, training_for  # noqa: E402
+from distml.config import ParallelConfig  # noqa: E402
+from distml.layout import Layout  # noqa: E402
+from distml.plan.auto import gpt_params, model_spec, training_for  # noqa: E402
 from distml.plan.bench import cluster_from_dict, measure  # noqa: E402
 from distml.plan.cost_model import predict  # noqa: E402
 from distml.plan.profile import reference_block_s  # noqa: E402
@@ -101,7 +103,7 @@ def measure_round(runs: Path, names: list[str], steps: int, repeats: int, passes
     layouts: dict[str, dict] = {}
     for name in names:
         mesh, par = LAYOUTS[name]
-        layout = layout_of(mesh, par)
+        layout = Layout.from_mesh(mesh, 4, ParallelConfig(**par))
         recompute = par.get("activation_checkpointing", "none")
         training = training_for(layout, GLOBAL_BATCH, MICROBATCHES, "fp32", recompute)
         pred = predict(model, cluster, training, layout)

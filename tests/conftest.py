@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import is_hypothesis_test
+from hypothesis import is_hypothesis_test, settings
 
 # The suite tests the CPU paths, whose worlds of 2-4 workers would each need a GPU per worker on
 # a machine with GPUs: there they are hidden, unless DISTML_TEST_CUDA=1 asks for the CUDA tests
@@ -21,6 +21,19 @@ from hypothesis import is_hypothesis_test
 CUDA_TESTS = os.environ.get("DISTML_TEST_CUDA") == "1"
 if not CUDA_TESTS:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+# Property tests and fuzzers state their example budgets as CI runs them, under
+# `--hypothesis-profile ci` (the README's test command); without it, in a developer's loop, they
+# run a tenth of them.
+settings.register_profile("ci", max_examples=100)
+settings.register_profile("dev", max_examples=10)
+settings.load_profile("dev")
+
+
+def examples(full: int) -> int:
+    """``full`` examples under the ``ci`` profile; a tenth of them, at least 5, under ``dev``."""
+    return max(5, full * settings.default.max_examples // 100)
+
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -191,7 +204,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every property test (hypothesis's ``@given``) is a ``fuzz`` test: its time is its budget
-    of examples, which the fast loop (``-m "not distributed and not fuzz"``) leaves to CI."""
+    of examples (see :func:`examples`)."""
     for item in items:
         if is_hypothesis_test(getattr(item, "obj", None)):
             item.add_marker(pytest.mark.fuzz)

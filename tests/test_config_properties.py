@@ -12,6 +12,7 @@ import tomli_w
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import examples
 from distml.config import (
     ConfigError,
     GPTConfig,
@@ -83,7 +84,7 @@ def validated_or_refused(path: Path) -> RunConfig | None:
     return config
 
 
-@settings(FAST, max_examples=300)
+@settings(FAST, max_examples=examples(300))
 @given(doc=documents())
 def test_any_toml_document_validates_or_is_one_config_error(tmp_path, doc):
     path = tmp_path / "config.toml"
@@ -94,7 +95,7 @@ def test_any_toml_document_validates_or_is_one_config_error(tmp_path, doc):
         assert load_config(tmp_path / "again.toml") == config
 
 
-@settings(FAST, max_examples=500)
+@settings(FAST, max_examples=examples(500))
 @given(data=st.binary(max_size=300) | st.text(max_size=300).map(str.encode))
 def test_any_bytes_validate_or_are_one_config_error(tmp_path, data):
     path = tmp_path / "config.toml"
@@ -109,7 +110,7 @@ def mutate(data: bytes, edits: list[tuple[int, int]]) -> bytes:
     return bytes(out)
 
 
-@settings(FAST, max_examples=500)
+@settings(FAST, max_examples=examples(500))
 @given(
     edits=st.lists(st.tuples(st.integers(0, 2**16), st.integers(0, 255)), min_size=1, max_size=3)
 )

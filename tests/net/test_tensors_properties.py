@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import examples
 from distml.net import tensors as wire
 from distml.net.tensors import ITEMSIZE, TensorPayloadError, decode_tensors, encode_tensors
 
@@ -83,7 +84,7 @@ def test_the_dtype_table_covers_every_dtype_the_decoder_accepts():
     assert all(DTYPES[name].itemsize == size for name, size in ITEMSIZE.items())
 
 
-@settings(FAST, max_examples=300)
+@settings(FAST, max_examples=examples(300))
 @given(st.dictionaries(tensor_names, tensors(), max_size=5), metadata)
 def test_any_payload_round_trips_bit_for_bit(payload, meta):
     got, got_meta = decode_tensors(encode_tensors(payload, meta or None))
@@ -94,7 +95,7 @@ def test_any_payload_round_trips_bit_for_bit(payload, meta):
         assert raw_bytes(got[name]) == raw_bytes(sent)
 
 
-@settings(FAST, max_examples=200)
+@settings(FAST, max_examples=examples(200))
 @given(st.dictionaries(tensor_names, tensors(), min_size=1, max_size=3), st.data())
 def test_a_truncated_body_is_refused(payload, data):
     body = encode_tensors(payload)
@@ -103,7 +104,7 @@ def test_a_truncated_body_is_refused(payload, data):
         decode_tensors(body[:cut])
 
 
-@settings(FAST, max_examples=200)
+@settings(FAST, max_examples=examples(200))
 @given(st.dictionaries(tensor_names, tensors(), max_size=3), st.integers(0, 2**64 - 1))
 def test_any_header_length_is_refused_unless_it_is_the_true_one(payload, length):
     body = encode_tensors(payload)
@@ -114,13 +115,13 @@ def test_any_header_length_is_refused_unless_it_is_the_true_one(payload, length)
         assert decode_or_refuse(forged) is None
 
 
-@settings(FAST, max_examples=300)
+@settings(FAST, max_examples=examples(300))
 @given(st.binary(max_size=256))
 def test_random_bytes_never_raise_anything_but_a_payload_error(body):
     decode_or_refuse(body)
 
 
-@settings(FAST, max_examples=200)
+@settings(FAST, max_examples=examples(200))
 @given(st.binary(max_size=64), st.binary(max_size=64))
 def test_a_header_that_is_not_json_is_refused(text, data):
     try:
@@ -178,7 +179,7 @@ def laid_out(draw: st.DrawFn) -> tuple[dict, bytes]:
     return header, draw(st.binary(min_size=size, max_size=size))
 
 
-@settings(FAST, max_examples=500)
+@settings(FAST, max_examples=examples(500))
 @given(st.tuples(headers, st.binary(max_size=64)) | laid_out())
 def test_a_forged_header_decodes_to_what_it_says_or_is_refused(forged):
     header, data = forged

@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from conftest import distml_cli
 from distml.cli.main import app
-from distml.config import ConfigError, GPTConfig
+from distml.config import ConfigError, GPTConfig, ParallelConfig
+from distml.layout import Layout
 from distml.models import GPT
-from distml.plan.auto import choose_layout, gpt_params, layout_of, mesh_of
+from distml.plan.auto import choose_layout, gpt_params
 from distml.plan.bench import read_cluster_file
-from distml.plan.cost_model import Layout
 
 GPT_EXAMPLE = str(Path(__file__).parents[2] / "examples" / "gpt" / "train.py")
 
@@ -41,22 +41,23 @@ def cluster_file(path: Path, memory_bytes: float, devices: int = 2, bandwidth: f
     return path
 
 
-def test_meshes_and_planner_layouts_name_the_same_things():
+def test_a_planner_layout_is_the_runs_layout():
     for layout in (
         Layout(dp=4),
-        Layout(dp=2, zero=3, tp=2),
-        Layout(dp=4, zero=2),
+        Layout.sharded(2, zero=3, tp=2),
+        Layout.sharded(4, zero=2),
         Layout(pp=2, tp=2),
         Layout(),
     ):
-        mesh, parallel = mesh_of(layout)
-        assert layout_of(mesh, parallel) == layout
-    assert mesh_of(Layout(dp=2, zero=3)) == ({"fsdp": 2}, {})
-    assert mesh_of(Layout(dp=2, zero=2)) == ({"fsdp": 2}, {"reshard_after_forward": False})
+        parallel = ParallelConfig(**layout.parallel_settings())
+        assert Layout.from_mesh(layout.mesh_sizes(), layout.world_size, parallel) == layout
+    assert Layout.sharded(2, zero=3).mesh_sizes() == {"fsdp": 2}
+    assert Layout.sharded(2, zero=2).parallel_settings() == {"reshard_after_forward": False}
+    assert Layout.sharded(2, zero=2).record()["zero"] == 2
     with pytest.raises(ConfigError, match="no ZeRO stage 1"):
-        mesh_of(Layout(dp=2, zero=1))
-    with pytest.raises(ConfigError, match=r"dp=2 x fsdp=2 \(HSDP\)"):
-        layout_of({"dp": 2, "fsdp": 2})
+        Layout.sharded(2, zero=1).parallel_settings()
+    with pytest.raises(ConfigError, match="world size is 8"):
+        Layout.from_mesh({"dp": 2, "tp": 2}, world_size=8)
 
 
 def test_the_exact_parameter_count_is_taken_without_building_the_model():
@@ -132,7 +133,7 @@ def test_a_layout_the_config_refuses_gives_way_to_the_next_best(tmp_path):
         n_params=gpt_params(GPTConfig()),
     ).ranked
     assert ranked[0].layout.pp == 2
-    second, _ = mesh_of(ranked[1].layout)
+    second = ranked[1].layout.mesh_sizes()
     proc = distml_cli(
         "run", "--nproc", "2", "--strategy", "auto", "--cluster", str(cluster),
         "--microbatches", "1", "--runs-dir", str(tmp_path), "--run-name", "auto",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 
 import pytest
@@ -12,6 +13,7 @@ from typer.testing import CliRunner
 from conftest import distml_cli
 from distml.cli.main import app
 from distml.config import GPTConfig
+from distml.layout import ORDER
 from distml.plan.auto import choose_layout, gpt_params, profile_shapes, sharded_profile_shapes
 from distml.plan.bench import read_cluster_file
 
@@ -52,7 +54,7 @@ def test_bench_writes_a_cluster_file_the_planner_reads(tmp_path):
     )
     assert out.exit_code == 0, out.output
     layouts = json.loads(out.output)["layouts"]
-    assert {r["layout"]["dp"] * r["layout"]["tp"] * r["layout"]["pp"] for r in layouts} == {2}
+    assert {math.prod(r["layout"][k] for k in ORDER) for r in layouts} == {2}
 
     # The calibration: a block at every (micro-batch, tensor degree) a layout of 2 runs, an FSDP
     # unit for every sharded one, and the planner then times each layout from them.

@@ -81,7 +81,7 @@ def test_a_pipeline_is_stretched_by_its_bubble_unless_cores_are_shared():
 def test_a_profiled_fsdp_stage_replaces_the_blocks_and_their_collectives():
     stage = {"sync_s": 0.2, "nosync_s": 0.16, "opt_s": 0.008}
     cal = calibration(share=2.0, sharded_stages={"4x1x4x3x4": stage})
-    timing = cal.step(MODEL, fp32(16, 4), Layout(dp=4, zero=3), m=1)
+    timing = cal.step(MODEL, fp32(16, 4), Layout.sharded(4, 3), m=1)
     rest = MODEL.n_params - 4 * MODEL.layer_params  # embeddings and head: the root unit
     compute = stage["sync_s"] + stage["opt_s"]
     compute += EDGE["embed_s"] + EDGE["head_s"] + RATE * rest / 4
@@ -91,7 +91,7 @@ def test_a_profiled_fsdp_stage_replaces_the_blocks_and_their_collectives():
     assert timing.step_s == pytest.approx(compute + gather + scatter)
     # a pipeline of 2 stages x 4 micro-batches: the gradients synchronise on the last only
     piped = calibration(share=2.0, sharded_stages={"2x1x2x3x2": stage})
-    last = piped._stage(MODEL, fp32(16, 2), Layout(dp=2, pp=2, zero=3), 4, stage=1)
+    last = piped._stage(MODEL, fp32(16, 2), Layout.sharded(2, 3, pp=2), 4, stage=1)
     assert last.compute_s == pytest.approx(
         3 * stage["nosync_s"]
         + stage["sync_s"]

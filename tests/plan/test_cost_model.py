@@ -19,7 +19,7 @@ GPT3 = ModelSpec(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, param
 @pytest.mark.parametrize("zero,gigabytes", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.88)])
 def test_zero_paper_figure_1_7_5b_params_on_64_gpus(zero, gigabytes):
     # Rajbhandari et al. 2020, Figure 1: Psi = 7.5B, K = 12, Nd = 64.
-    state = model_state_bytes(7.5e9, Layout(dp=64, zero=zero), Training(global_batch=64))
+    state = model_state_bytes(7.5e9, Layout.sharded(64, zero), Training(global_batch=64))
     assert sum(state.values()) / 1e9 == pytest.approx(gigabytes, abs=0.05)  # paper rounds
 
 
@@ -61,7 +61,7 @@ def test_prediction_of_a_layout():
     cluster = Cluster(DEVICES["a100"], devices=64)
     train = Training(global_batch=512, micro_batch=1, recompute="selective", sequence_parallel=True)
     model = ModelSpec(layers=32, hidden=4096, heads=32, seq=2048, vocab=51200)
-    pred = predict(model, cluster, train, Layout(dp=8, tp=8, pp=1, zero=1))
+    pred = predict(model, cluster, train, Layout.sharded(8, 1, tp=8, pp=1))
     assert pred.memory_bytes["total"] < 80e9 and not pred.notes
     assert 0 < pred.mfu <= 1 and pred.tokens_per_s > 0
     assert pred.comm_bytes["tp_all_reduce"] > pred.comm_bytes["dp_all_reduce"]

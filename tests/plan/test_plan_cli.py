@@ -30,7 +30,7 @@ def test_one_layout_as_json():
     out = CliRunner().invoke(app, ["plan", *MODEL, "--tp", "8", "--zero", "1", "--json"])
     assert out.exit_code == 0, out.output
     (row,) = json.loads(out.output)["layouts"]
-    assert row["layout"]["dp"] == 8 and row["layout"]["tp"] == 8
+    assert row["layout"]["fsdp"] == 8 and row["layout"]["tp"] == 8 and row["layout"]["zero"] == 1
     assert set(row["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "total"}
     assert row["step_time_s"] > 0 and 0 < row["mfu"] <= 1
 

@@ -31,7 +31,7 @@ from hypothesis.errors import Unsatisfiable
 from safetensors.torch import save_model
 from schemathesis import GenerationMode
 
-from conftest import wait_for
+from conftest import examples, wait_for
 from distml.net import (
     BackgroundServer,
     create_app,
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.fuzz  # every service, against its OpenAPI document
 
 TOKEN = "fuzz-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-EXAMPLES = int(os.environ.get("DISTML_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("DISTML_FUZZ_EXAMPLES", examples(25)))
 # Long polls answer at once under the fuzzer: a wait of up to a minute per case would spend the
 # time budget on waiting, not on inputs.
 LONG_POLLS = ("wait", "wait_s")

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from conftest import save_dcp_metadata
+from conftest import examples, save_dcp_metadata
 from distml.models import MLP
 from distml.train.safe_dcp import CheckpointError, decode_metadata
 
@@ -106,7 +106,7 @@ edits = st.lists(
 )
 
 
-@settings(FAST, max_examples=400)
+@settings(FAST, max_examples=examples(400))
 @given(edits=edits)
 def test_a_mutated_real_metadata_file_decodes_as_pickle_would_or_is_refused(real_metadata, edits):
     data = mutate(real_metadata, edits)
@@ -116,7 +116,7 @@ def test_a_mutated_real_metadata_file_decodes_as_pickle_would_or_is_refused(real
         assert decode_metadata(pickle.dumps(metadata)) == metadata
 
 
-@settings(FAST, max_examples=500)
+@settings(FAST, max_examples=examples(500))
 @given(data=st.binary(max_size=512))
 def test_random_bytes_are_refused_with_checkpoint_error(data):
     assert decoded_or_refused(data) is None
@@ -182,7 +182,7 @@ def vocabulary(marker: Path) -> list[bytes]:
     ]
 
 
-@settings(FAST, max_examples=1500)
+@settings(FAST, max_examples=examples(1500))
 @given(data=st.data())
 def test_any_sequence_of_opcodes_runs_nothing_and_raises_only_checkpoint_error(marker, data):
     pieces = data.draw(st.lists(st.sampled_from(vocabulary(marker)), max_size=24))
@@ -232,7 +232,7 @@ def metadata_objects(draw: st.DrawFn) -> Metadata:
     return Metadata(items, planner, where, draw(st.none() | st.just(meta)), "1.0.0")
 
 
-@settings(FAST, max_examples=300)
+@settings(FAST, max_examples=examples(300))
 @given(metadata=metadata_objects(), protocol=st.integers(2, 5))
 def test_any_metadata_dcp_could_write_decodes_to_itself(metadata, protocol):
     assert decode_metadata(pickle.dumps(metadata, protocol=protocol)) == metadata

@@ -314,7 +314,7 @@ def _planned_config(
     the last word: a layout it refuses (too few micro-batches for that many stages, say) gives
     way to the next best."""
     from distml.config import GPTConfig
-    from distml.plan.auto import choose_layout, gpt_params, mesh_of, plan_record
+    from distml.plan.auto import choose_layout, gpt_params, plan_record
     from distml.plan.bench import read_cluster_file
     from distml.plan.cost_model import Cluster
     from distml.telemetry.summary import format_bytes
@@ -345,7 +345,7 @@ def _planned_config(
     )
     refused = []
     for rank, pred in enumerate(choice.ranked, 1):
-        mesh_sizes, options = mesh_of(pred.layout)
+        mesh_sizes, options = pred.layout.mesh_sizes(), pred.layout.parallel_settings()
         mesh = ",".join(f"{k}={v}" for k, v in mesh_sizes.items())
         extra = ",".join(f"{k}={str(v).lower()}" for k, v in options.items())
         planner = [("mesh", mesh_sizes), ("run_name", cfg.run_name)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -12,15 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from distml.cli.messages import fail_usage
-from distml.plan.cost_model import (
-    DEVICES,
-    Cluster,
-    Layout,
-    ModelSpec,
-    Prediction,
-    Training,
-    predict,
-)
+from distml.layout import Layout
+from distml.plan.cost_model import DEVICES, Cluster, ModelSpec, Prediction, Training, predict
 from distml.plan.search import rank_layouts
 
 Count = Annotated[float, typer.Option(help="Accepts scientific notation, e.g. 7.5e9.")]
@@ -28,7 +20,7 @@ Count = Annotated[float, typer.Option(help="Accepts scientific notation, e.g. 7.
 
 def _row(p: Prediction) -> dict:
     return {
-        "layout": asdict(p.layout),
+        "layout": p.layout.record(),
         "memory_bytes": p.memory_bytes,
         "step_time_s": p.step_time_s,
         "tokens_per_s": p.tokens_per_s,
@@ -85,7 +77,7 @@ def plan(
     try:
         if tp or pp or dp:
             tp, pp = tp or 1, pp or 1
-            layout = Layout(dp=dp or max(1, devices // (tp * pp)), tp=tp, pp=pp, zero=zero)
+            layout = Layout.sharded(dp or max(1, devices // (tp * pp)), zero, tp=tp, pp=pp)
             if heads % tp:
                 fail_usage(f"--tp {tp} does not divide --heads {heads}")
             if pp > layers:
@@ -109,7 +101,7 @@ def plan(
     for p in best[:10]:
         lay = p.layout
         table.add_row(
-            str(lay.dp),
+            str(lay.data_parallel),
             str(lay.tp),
             str(lay.pp),
             str(lay.zero),

@@ -29,7 +29,7 @@ from distml.comm.collectives import all_gather_json
 from distml.config import ConfigError, build_config
 from distml.data.sampler import eval_shard
 from distml.launch.api import launch
-from distml.parallel.mesh import ParallelDims
+from distml.layout import Layout
 from distml.train.checkpoint import check_weights, load_weights, resolve_weights
 
 if TYPE_CHECKING:
@@ -86,12 +86,12 @@ def splits_model(mesh: dict[str, int] | None) -> bool:
     """Whether batch inference under ``mesh`` splits the model (tp, pp) or the data (dp=N, or
     no mesh). A mesh that does both, FSDP included, is refused: where the model is split every
     rank reads the whole dataset, so each data-parallel rank would compute the same outputs."""
-    dims = ParallelDims(**(mesh or {}))
-    if dims.model_parallel and dims.data_parallel > 1:
+    layout = Layout(**(mesh or {}))
+    if layout.model_parallel and layout.data_parallel > 1:
         raise ConfigError(
             "batch inference splits either the data (dp=N) or the model (tp, pp), not both"
         )
-    return dims.model_parallel
+    return layout.model_parallel
 
 
 def batch_predict(
@@ -101,7 +101,7 @@ def batch_predict(
     the others); every rank calls it. ``model`` is the plain model: laid out here by the run's
     mesh when it splits the model, else used whole on this rank's block."""
     model.eval()
-    if splits_model(ctx.dims.as_dict()):
+    if splits_model(ctx.layout.as_dict()):
         ctx.setup(model, None)
         out = predict(
             ctx.forward, dataset, range(len(dataset)), device=ctx.device, batch_size=batch_size

@@ -88,7 +88,7 @@ class ModelParallel(TrainingStrategy):
 
     def __init__(self, model: nn.Module, env: StrategyEnv, stages: list[TimedStage]):
         super().__init__(model, env)  # what this rank holds, under the plain model's names
-        self.dims = env.dims
+        self.layout = env.layout
         self.mesh = env.mesh
         self.config = env.config
         self.device = env.device
@@ -96,8 +96,8 @@ class ModelParallel(TrainingStrategy):
         self._schedule: Any = None
         self._schedule_loss: Loss | None = None
         self.span_s = 0.0
-        self.pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
-        self.fsdp = self.dims.data_parallel > 1 or self.dims.fsdp > 1
+        self.pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
+        self.fsdp = self.layout.data_parallel > 1 or self.layout.fsdp > 1
         # FSDP's mixed-precision policy casts the parameters itself, and the layout's optimizer
         # steps on its own (DTensor gradients): no autocast under FSDP, no loss scaling.
         self.precision = MixedPrecision(
@@ -120,7 +120,7 @@ class ModelParallel(TrainingStrategy):
     @property
     def data_group(self) -> dist.ProcessGroup | None:
         """The ranks that see different batches (dp x fsdp); None if there is only one."""
-        if self.dims.data_parallel == 1:
+        if self.layout.data_parallel == 1:
             return None
         return self.mesh["dp", "fsdp"]._flatten("data").get_group()
 
@@ -163,7 +163,7 @@ class ModelParallel(TrainingStrategy):
     def forward_backward(
         self, batch: Any, objective: Objective, weight: float, last: bool
     ) -> torch.Tensor:
-        if self.dims.pp == 1:
+        if self.layout.pp == 1:
             return super().forward_backward(batch, objective, weight, last)
         if objective.loss is None:
             raise ValueError(
@@ -193,7 +193,7 @@ class ModelParallel(TrainingStrategy):
             schedule.step(*args, **kwargs)
         self.span_s = time.perf_counter() - start
         value = torch.stack(losses).mean().detach() if last else torch.zeros((), device=x.device)
-        src = dist.get_global_rank(self.pp_group, self.dims.pp - 1)
+        src = dist.get_global_rank(self.pp_group, self.layout.pp - 1)
         dist.broadcast(value, src=src, group=self.pp_group)
         return value
 
@@ -232,7 +232,7 @@ class ModelParallel(TrainingStrategy):
         Through the pipeline the stages run one after the other on the whole batch: forward-only
         work of any batch size, without the schedule's fixed micro-batch shapes.
         """
-        if self.dims.pp == 1:
+        if self.layout.pp == 1:
             return self.model(x)
         pp_rank = self.mesh["pp"].get_local_rank()
         return forward_through_stages(x, self.stages, pp_rank, self.pp_group, self.device)
@@ -255,33 +255,33 @@ class ModelParallel(TrainingStrategy):
             batch_size=batch_size,
             group=self.data_group,
             forward=self.forward,
-            shard=(self.dims.data_rank(self.env.rank), self.dims.data_parallel),
+            shard=(self.layout.data_rank(self.env.rank), self.layout.data_parallel),
         )
 
     # -- the whole model --------------------------------------------------------------------
     def full_state_dict(self) -> tuple[dict[str, torch.Tensor], set[str]] | None:
-        return gather_full_state(self.model, self.dims.stage_leaders())
+        return gather_full_state(self.model, self.layout.stage_leaders())
 
     def record_fields(self) -> RecordFields:
         """The layout, and the whole state gathered from every rank's shards (a collective)."""
         par = self.config.parallel
-        layout: dict[str, Any] = {
-            **self.dims.as_dict(),
+        described: dict[str, Any] = {
+            **self.layout.as_dict(),
             "activation_checkpointing": par.activation_checkpointing,
             "sequence_parallel": par.sequence_parallel,
             "reshard_after_forward": par.reshard_after_forward,
         }
-        summary: dict[str, Any] = {"layout": layout}
-        if self.dims.pp > 1:
-            layout.update(
+        summary: dict[str, Any] = {"layout": described}
+        if self.layout.pp > 1:
+            described.update(
                 schedule=par.schedule,
                 microbatches=par.microbatches,
                 stages_per_rank=par.virtual_stages,
             )
-            formula = pipeline_bubble(self.dims.pp, par.microbatches, par.virtual_stages)
+            formula = pipeline_bubble(self.layout.pp, par.microbatches, par.virtual_stages)
             summary["bubble"] = {"measured": None, "formula": formula}
         return {
-            "mesh": self.dims.as_dict(),
+            "mesh": self.layout.as_dict(),
             "module": None,  # no rank holds the whole model
             "full_state": self.full_state_dict(),
             "summary": summary,
@@ -292,28 +292,28 @@ def apply_layout(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, env: StrategyEnv
 ) -> tuple[ModelParallel, torch.optim.Optimizer | None]:
     """Pipeline stages, then tensor parallelism, then activation checkpointing, then FSDP."""
-    config, dims, mesh, device = env.config, env.dims, env.mesh, env.device
+    config, layout, mesh, device = env.config, env.layout, env.mesh, env.device
     par = config.parallel
     old_names = {id(p): name for name, p in model.named_parameters()}
     tp_plan = resolve_tp_plan(model, par.tp_plan) if par.tp_plan is not None else None
     views: list[nn.Module] = [model]
     ids = [0]
-    if dims.pp > 1:
-        plan = PipelinePlan(mesh["pp"].get_local_rank(), dims.pp, par.virtual_stages)
+    if layout.pp > 1:
+        plan = PipelinePlan(mesh["pp"].get_local_rank(), layout.pp, par.virtual_stages)
         views, ids = build_stages(model, plan, par.split_points)
-    if dims.tp > 1:
+    if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], tp_plan, par.sequence_parallel)
     blocks = getattr(model, "blocks", None)
     if par.activation_checkpointing != "none":
         if not isinstance(blocks, nn.ModuleDict):
             raise ConfigError("activation checkpointing needs the blocks in a ModuleDict 'blocks'")
         checkpoint_blocks(blocks, par.activation_checkpointing)
-        if dims.pp > 1:
+        if layout.pp > 1:
             refresh_views(model, views)
-    if dims.data_parallel > 1 or dims.fsdp > 1:
+    if layout.data_parallel > 1 or layout.fsdp > 1:
         units = list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else []
         # HSDP (2-D: replicate x shard) only when there are replicas to all-reduce across.
-        data_mesh = mesh["dp", "fsdp"] if dims.dp > 1 else mesh["fsdp"]
+        data_mesh = mesh["dp", "fsdp"] if layout.dp > 1 else mesh["fsdp"]
         for view in views:
             view_units = [b for b in units if any(b is v for v in view.blocks.values())]
             apply_fsdp(
@@ -324,13 +324,13 @@ def apply_layout(
                 mixed_precision=config.strategy.mixed_precision,
             )
     stages = []
-    if dims.pp > 1:
+    if layout.pp > 1:
         group = mesh["pp"].get_group()
         stages = [
-            TimedStage(view, i, dims.pp * par.virtual_stages, device, group=group)
+            TimedStage(view, i, layout.pp * par.virtual_stages, device, group=group)
             for view, i in zip(views, ids, strict=True)
         ]
-    strategy = ModelParallel(views[0] if dims.pp == 1 else model, env, stages)
+    strategy = ModelParallel(views[0] if layout.pp == 1 else model, env, stages)
     if optimizer is None:
         return strategy, None
     return strategy, rebuild_optimizer(optimizer, old_names, model)

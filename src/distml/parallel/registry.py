@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 
 from distml.config import ConfigError, RunConfig
-from distml.parallel.mesh import ParallelDims
+from distml.layout import Layout
 from distml.parallel.strategy import TrainingStrategy
 
 STRATEGIES: dict[str, str | type[TrainingStrategy]] = {
@@ -33,7 +33,7 @@ LAYOUT: str | type[TrainingStrategy] = "distml.parallel.layout:ModelParallel"
 
 def strategy_for(config: RunConfig) -> type[TrainingStrategy]:
     """The strategy class that ``config`` (its strategy's name, and its mesh) applies."""
-    if ParallelDims(**(config.mesh or {})).model_parallel:
+    if Layout(**(config.mesh or {})).model_parallel:
         return _resolve(LAYOUT)
     name = config.strategy.name
     if name not in STRATEGIES:

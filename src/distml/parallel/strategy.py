@@ -35,7 +35,7 @@ from torch.utils.data import Dataset
 
 from distml.config import RunConfig
 from distml.data.loader import ShardedLoader
-from distml.parallel.mesh import ParallelDims
+from distml.layout import Layout
 from distml.parallel.precision import MixedPrecision
 from distml.telemetry.recorder import StepRecorder
 from distml.train import checkpoint as ckpt
@@ -68,7 +68,7 @@ class StrategyEnv:
     rank: int
     world_size: int
     device: torch.device
-    dims: ParallelDims
+    layout: Layout
     mesh: DeviceMesh
     recorder: StepRecorder
     precision: MixedPrecision
@@ -125,11 +125,11 @@ class TrainingStrategy:
         return cls(model, env), optimizer
 
     @classmethod
-    def data_shard(cls, rank: int, world_size: int, dims: ParallelDims) -> tuple[int, int]:
+    def data_shard(cls, rank: int, world_size: int, layout: Layout) -> tuple[int, int]:
         """Which of how many different batches of a step ``rank`` reads."""
         if not cls.joins_process_group:
             return rank, world_size
-        return dims.data_rank(rank), dims.data_parallel
+        return layout.data_rank(rank), layout.data_parallel
 
     @classmethod
     def claims_batches(cls, config: RunConfig) -> bool:

@@ -1,8 +1,7 @@
 """``distml run --strategy auto``: the cost model picks the layout of the world about to start.
 
-distml's meshes and the planner's layouts name the same things differently: a mesh's ``fsdp``
-degree is ZeRO-3 data parallelism (ZeRO-2 with ``reshard_after_forward=false``), its ``dp``
-plain replication (ZeRO-0). distml has no ZeRO-1, so the search leaves it out.
+The planner and the run share one :class:`~distml.layout.Layout`; the search offers only the
+ZeRO stages a distml mesh runs (no ZeRO-1).
 
 >>> choice = choose_layout(GPTConfig(), cluster, global_batch=16, microbatches=8)  # doctest: +SKIP
 >>> choice.mesh, choice.parallel                                                  # doctest: +SKIP
@@ -12,15 +11,14 @@ plain replication (ZeRO-0). distml has no ZeRO-1, so the search leaves it out.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from distml.config import ConfigError, GPTConfig
-from distml.plan.cost_model import Cluster, Layout, ModelSpec, Prediction, Training, predict
+from distml.layout import RUNNABLE_ZERO, Layout
+from distml.plan.cost_model import Cluster, ModelSpec, Prediction, Training, predict
 from distml.plan.search import divisors
 from distml.telemetry.summary import format_bytes
-
-ZERO_STAGES = (0, 2, 3)  # the ones a distml mesh can express
 
 
 def gpt_params(cfg: GPTConfig) -> int:
@@ -51,28 +49,6 @@ def model_spec(cfg: GPTConfig, n_params: float | None = None) -> ModelSpec:
     )
 
 
-def layout_of(mesh: dict[str, int], parallel: dict[str, Any] | None = None) -> Layout:
-    """The planner's name for a distml mesh (not HSDP: the cost model has no layout that
-    shards over part of the data-parallel ranks and replicates over the rest)."""
-    parallel = parallel or {}
-    fsdp, dp = mesh.get("fsdp", 1), mesh.get("dp", 1)
-    if fsdp > 1 and dp > 1:
-        raise ConfigError(f"the planner has no layout for dp={dp} x fsdp={fsdp} (HSDP)")
-    zero = 0 if fsdp == 1 else (2 if parallel.get("reshard_after_forward") is False else 3)
-    return Layout(dp=dp * fsdp, tp=mesh.get("tp", 1), pp=mesh.get("pp", 1), zero=zero)
-
-
-def mesh_of(layout: Layout) -> tuple[dict[str, int], dict[str, Any]]:
-    """The distml mesh and layout options of a planner layout with ZeRO stage 0, 2 or 3."""
-    if layout.zero not in ZERO_STAGES:
-        raise ConfigError(f"distml has no ZeRO stage {layout.zero}; it offers 0, 2 and 3")
-    data = "fsdp" if layout.zero and layout.dp > 1 else "dp"
-    sizes = {data: layout.dp, "tp": layout.tp, "pp": layout.pp}
-    mesh = {k: v for k, v in sizes.items() if v > 1} or {"dp": 1}
-    parallel = {"reshard_after_forward": False} if data == "fsdp" and layout.zero == 2 else {}
-    return mesh, parallel
-
-
 def training_for(
     layout: Layout,
     global_batch: int,
@@ -82,7 +58,7 @@ def training_for(
 ) -> Training:
     """Settings of one step under ``layout``, with AdamW: a pipeline splits each replica's
     batch into ``microbatches``, any other layout computes it whole."""
-    per_replica = global_batch // layout.dp
+    per_replica = global_batch // layout.data_parallel
     micro = per_replica // microbatches if layout.pp > 1 else per_replica
     return Training(global_batch, max(micro, 1), precision, "adam", recompute)
 
@@ -105,8 +81,8 @@ def distml_layouts(
                 continue
             if pp > 1 and (global_batch // dp) % microbatches:
                 continue
-            for zero in ZERO_STAGES if dp > 1 else (0,):
-                yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, schedule=schedule, chunks=chunks)
+            for zero in RUNNABLE_ZERO if dp > 1 else (0,):
+                yield Layout.sharded(dp, zero, tp=tp, pp=pp, schedule=schedule, chunks=chunks)
 
 
 def profile_shapes(
@@ -130,12 +106,12 @@ def sharded_profile_shapes(
         (
             training_for(lay, global_batch, microbatches).micro_batch,
             lay.tp,
-            lay.dp,
+            lay.data_parallel,
             lay.zero,
             round(cfg.layers / lay.pp),
         )
         for lay in distml_layouts(cfg, devices, global_batch, microbatches)
-        if lay.dp > 1 and (lay.zero or lay.tp > 1 or lay.pp > 1)
+        if lay.data_parallel > 1 and (lay.zero or lay.model_parallel)
     }
 
 
@@ -185,18 +161,17 @@ def choose_layout(
             f"needs {format_bytes(smallest)}"
         )
     fits.sort(key=lambda p: p.step_time_s)
-    mesh, parallel = mesh_of(fits[0].layout)
-    return Choice(mesh, parallel, fits[0], fits, too_big)
+    best = fits[0].layout
+    return Choice(best.mesh_sizes(), best.parallel_settings(), fits[0], fits, too_big)
 
 
 def plan_record(pred: Prediction, microbatches: int) -> dict[str, Any]:
     """What a run chosen by the planner keeps of the choice (in its config, so every worker
     has it): the layout, and the prediction its summary sets beside the measurement."""
-    mesh, parallel = mesh_of(pred.layout)
     return {
-        "mesh": mesh,
-        "parallel": parallel,
-        "layout": asdict(pred.layout),
+        "mesh": pred.layout.mesh_sizes(),
+        "parallel": pred.layout.parallel_settings(),
+        "layout": pred.layout.record(),
         "microbatches": microbatches,
         "predicted": {
             "step_time_s": pred.step_time_s,

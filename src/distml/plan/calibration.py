@@ -27,7 +27,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from distml.plan.spec import Layout, ModelSpec, Training, bubble_fraction, stage_params
+from distml.layout import Layout
+from distml.plan.spec import ModelSpec, Training, bubble_fraction, stage_params
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 
@@ -110,7 +111,13 @@ class Calibration:
         self, model: ModelSpec, training: Training, layout: Layout, m: int, stage: int
     ) -> Timing | None:
         """One pipeline stage's work in a step, as if it never waited for another."""
-        b, t, p, d, zero = training.micro_batch, layout.tp, layout.pp, layout.dp, layout.zero
+        b, t, p, d, zero = (
+            training.micro_batch,
+            layout.tp,
+            layout.pp,
+            layout.data_parallel,
+            layout.zero,
+        )
         block, edge = self.blocks.get(f"{b}x{t}"), self.edges.get(str(b))
         if block is None or edge is None:
             return None
@@ -144,7 +151,7 @@ class Calibration:
     ) -> float | None:
         """Gradient synchronisation of ``params`` held in ``units`` FSDP units (or DDP's
         buckets, without model parallelism)."""
-        d, zero = layout.dp, layout.zero
+        d, zero = layout.data_parallel, layout.zero
         if d == 1:
             return 0.0
         nbytes = 4 * params

@@ -29,15 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from distml.layout import Layout
 from distml.plan.calibration import Calibration
-from distml.plan.spec import (
-    BYTES,
-    Layout,
-    ModelSpec,
-    Training,
-    bubble_fraction,
-    stage_params,
-)
+from distml.plan.spec import BYTES, ModelSpec, Training, bubble_fraction, stage_params
 
 
 @dataclass(frozen=True)
@@ -104,7 +98,7 @@ def model_state_bytes(n_params: float, layout: Layout, training: Training) -> di
 
 def _state_bytes(local: float, layout: Layout, training: Training) -> dict[str, float]:
     p = BYTES[training.precision]
-    d = layout.dp
+    d = layout.data_parallel
     k = optimizer_bytes_per_param(training)
     return {
         "params": p * local / (d if layout.zero >= 3 else 1),
@@ -189,15 +183,18 @@ def ring(collective: str, nbytes: float, ranks: int) -> float:
 
 def predict(model: ModelSpec, cluster: Cluster, training: Training, layout: Layout) -> Prediction:
     """Memory, time, traffic and energy of one optimizer step under ``layout``."""
-    if layout.world != cluster.devices:
+    d = layout.data_parallel
+    if layout.world_size != cluster.devices:
         raise ValueError(
-            f"dp x tp x pp = {layout.dp} x {layout.tp} x {layout.pp} = {layout.world}, "
+            f"dp x tp x pp = {d} x {layout.tp} x {layout.pp} = {layout.world_size}, "
             f"but the cluster has {cluster.devices} devices"
         )
-    per_replica = training.global_batch // layout.dp
-    if per_replica * layout.dp != training.global_batch or per_replica % training.micro_batch:
+    if layout.dp > 1 and layout.fsdp > 1:
+        raise ValueError(f"the cost model has no layout that shards and replicates ({layout})")
+    per_replica = training.global_batch // d
+    if per_replica * d != training.global_batch or per_replica % training.micro_batch:
         raise ValueError(
-            f"global batch {training.global_batch} does not split into dp={layout.dp} replicas "
+            f"global batch {training.global_batch} does not split into dp={d} replicas "
             f"of micro-batches of {training.micro_batch}"
         )
     m = per_replica // training.micro_batch
@@ -219,13 +216,9 @@ def predict(model: ModelSpec, cluster: Cluster, training: Training, layout: Layo
     local_params = max(stage_params(model, layout, i) for i in range(layout.pp))
     grad_bytes = p_bytes * local_params
     dp_collective = {0: "all_reduce", 1: "all_reduce", 2: "reduce_scatter", 3: "reduce_scatter"}
-    comm = {
-        f"dp_{dp_collective[layout.zero]}": ring(dp_collective[layout.zero], grad_bytes, layout.dp)
-    }
+    comm = {f"dp_{dp_collective[layout.zero]}": ring(dp_collective[layout.zero], grad_bytes, d)}
     if layout.zero >= 1:
-        comm["dp_all_gather"] = ring("all_gather", grad_bytes, layout.dp) * (
-            2 if layout.zero == 3 else 1
-        )
+        comm["dp_all_gather"] = ring("all_gather", grad_bytes, d) * (2 if layout.zero == 3 else 1)
     act = p_bytes * training.micro_batch * model.seq * model.hidden
     # Megatron TP: 2 all-reduces forward and 2 backward per layer and micro-batch.
     comm["tp_all_reduce"] = 4 * layers_here * m * ring("all_reduce", act, layout.tp)
@@ -234,7 +227,7 @@ def predict(model: ModelSpec, cluster: Cluster, training: Training, layout: Layo
 
     tp_inside_node = layout.tp <= cluster.devices_per_node
     tp_bw = device.intra_bw if tp_inside_node else device.inter_bw
-    dp_bw = device.intra_bw if layout.world <= cluster.devices_per_node else device.inter_bw
+    dp_bw = device.intra_bw if layout.world_size <= cluster.devices_per_node else device.inter_bw
     # TP all-reduces and pipeline sends sit on the critical path. Data-parallel gradient traffic
     # is bucketed and overlaps the backward pass (2 of the 3 passes, 3 of 4 with recomputation);
     # only what outlasts it is exposed.

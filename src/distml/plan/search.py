@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from distml.plan.cost_model import Cluster, Layout, ModelSpec, Prediction, Training, predict
+from distml.layout import Layout
+from distml.plan.cost_model import Cluster, ModelSpec, Prediction, Training, predict
 
 
 def divisors(n: int) -> list[int]:
@@ -11,7 +12,8 @@ def divisors(n: int) -> list[int]:
 
 def candidate_layouts(model: ModelSpec, cluster: Cluster, training: Training) -> list[Layout]:
     """Every dp x tp x pp = devices with tp dividing the heads, pp at most the layers, and a
-    global batch that splits into whole micro-batches per replica; ZeRO stages 0-3."""
+    global batch that splits into whole micro-batches per replica; ZeRO stages 0-3 where
+    there is more than one replica."""
     out = []
     for tp in divisors(cluster.devices):
         if model.heads % tp:
@@ -20,7 +22,8 @@ def candidate_layouts(model: ModelSpec, cluster: Cluster, training: Training) ->
             dp = cluster.devices // (tp * pp)
             if pp > model.layers or training.global_batch % (dp * training.micro_batch):
                 continue
-            out.extend(Layout(dp=dp, tp=tp, pp=pp, zero=z) for z in range(4))
+            stages = range(4) if dp > 1 else (0,)
+            out.extend(Layout.sharded(dp, z, tp=tp, pp=pp) for z in stages)
     return out
 
 

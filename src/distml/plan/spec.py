@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from distml.config import Precision, Recompute, Schedule
+from distml.config import Precision, Recompute
+from distml.layout import Layout
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -56,20 +57,6 @@ class Training:
     optimizer: Literal["adam", "sgd"] = "adam"
     recompute: Recompute = "none"
     sequence_parallel: bool = False
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    schedule: Schedule = "1f1b"
-    chunks: int = 1  # model chunks per device for the interleaved schedule
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
 
 
 def stage_params(model: ModelSpec, layout: Layout, stage: int) -> float:

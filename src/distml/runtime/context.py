@@ -33,7 +33,8 @@ from torch.utils.data import Dataset
 from distml.config import RunConfig, config_from_env
 from distml.data.loader import ShardedLoader
 from distml.devices import pick_device
-from distml.parallel.mesh import ParallelDims
+from distml.layout import Layout
+from distml.parallel.mesh import build_mesh
 from distml.parallel.precision import MixedPrecision
 from distml.parallel.registry import strategy_for
 from distml.parallel.strategy import (
@@ -66,7 +67,7 @@ class Context:
         config: RunConfig,
         device: torch.device,
         mesh: DeviceMesh,
-        dims: ParallelDims,
+        layout: Layout,
         rank: int | None = None,
         world_size: int | None = None,
         strategy: type[TrainingStrategy] | None = None,
@@ -77,10 +78,10 @@ class Context:
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = device
         self.mesh = mesh
-        self.dims = dims
+        self.layout = layout
         self._strategy_class = strategy or strategy_for(config)
         self.data_rank, self.data_world = self._strategy_class.data_shard(
-            self.rank, self.world_size, dims
+            self.rank, self.world_size, layout
         )
         self.run_dir = config.run_dir
         self.attempt = int(os.environ.get("DISTML_ATTEMPT", 0))
@@ -130,13 +131,13 @@ class Context:
             else:
                 store = dist.HashStore()
                 dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-        dims = ParallelDims.from_mesh(config.mesh, dist.get_world_size())
-        mesh = dims.build_mesh(device.type)
+        layout = Layout.from_mesh(config.mesh, dist.get_world_size(), config.parallel)
+        mesh = build_mesh(layout, device.type)
         seed_everything(config.seed)  # identical on every rank: replicas start identical
         if grouped:
-            return cls(config, device, mesh, dims, strategy=strategy)
+            return cls(config, device, mesh, layout, strategy=strategy)
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        return cls(config, device, mesh, dims, rank, world, strategy=strategy)
+        return cls(config, device, mesh, layout, rank, world, strategy=strategy)
 
     def __enter__(self) -> Context:
         return self
@@ -179,7 +180,7 @@ class Context:
             rank=self.rank,
             world_size=self.world_size,
             device=self.device,
-            dims=self.dims,
+            layout=self.layout,
             mesh=self.mesh,
             recorder=self.recorder,
             precision=precision,
@@ -318,7 +319,7 @@ class Context:
 
     def stage_leaders(self) -> list[int]:
         """One global rank per pipeline stage: the first of each pp slice of the grid."""
-        return self.dims.stage_leaders()
+        return self.layout.stage_leaders()
 
     def _require_strategy(self) -> TrainingStrategy:
         if self._strategy is None:
