@@ -77,10 +77,10 @@ def test_memory_decides_and_a_model_that_fits_nowhere_is_refused(tmp_path):
     assert small.mesh != {"dp": 2} and small.too_big
     assert all(p.memory_bytes["total"] <= 12e6 for p in small.ranked)
     assert small.prediction is small.ranked[0]
-    with pytest.raises(ConfigError, match=r"fits this model in 1\.0 MiB per device"):
+    with pytest.raises(ConfigError, match=r"fits this model in 1\.0 MB per device"):
         choose_layout(
             cfg,
-            read_cluster_file(cluster_file(tmp_path / "c.toml", 2**20)),
+            read_cluster_file(cluster_file(tmp_path / "c.toml", 1e6)),
             global_batch=16,
             microbatches=8,
             n_params=n,

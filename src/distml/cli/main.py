@@ -317,7 +317,7 @@ def _planned_config(
     from distml.plan.auto import choose_layout, gpt_params, plan_record
     from distml.plan.bench import read_cluster_file
     from distml.plan.cost_model import Cluster
-    from distml.telemetry.summary import format_bytes
+    from distml.telemetry.units import format_bytes
 
     if not cluster_file.is_file():
         raise ConfigError(

@@ -33,6 +33,7 @@ from distml.net import TOKEN_ENV, ServiceClient, ServiceError, decode_tensors
 from distml.net.ports import listening_socket
 from distml.ps.worker import SERVERS_ENV
 from distml.telemetry.console import print_summary
+from distml.telemetry.metrics_stream import write_metrics
 from distml.telemetry.report import write_report
 from distml.telemetry.summary import summarize
 from distml.train.checkpoint import export_state, norm_of
@@ -304,10 +305,7 @@ def write_job_files(
         "server_restarts": {s.name: s.restarts for s in servers if s.restarts},
         **ps_summary(per_rank, stats),
     }
-    with open(run_dir / "metrics.jsonl", "w") as f:
-        for records in per_rank:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
+    write_metrics(run_dir, per_rank, summary.get("eval"))  # metrics.jsonl and tb/
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     summary["report"] = str(write_report(run_dir, [r for r in per_rank if r], summary))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

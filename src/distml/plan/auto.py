@@ -18,7 +18,7 @@ from distml.config import ConfigError, GPTConfig
 from distml.layout import RUNNABLE_ZERO, Layout
 from distml.plan.cost_model import Cluster, ModelSpec, Prediction, Training, predict
 from distml.plan.search import divisors
-from distml.telemetry.summary import format_bytes
+from distml.telemetry.units import format_bytes
 
 
 def gpt_params(cfg: GPTConfig) -> int:

@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.progress import Progress as RichProgress
 from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from distml.telemetry.units import format_rate
+
 
 class Progress:
     def __init__(self, enabled: bool):
@@ -28,7 +30,7 @@ class Progress:
             )
             self._bar.start()
             self._task = self._bar.add_task("")
-        text = f"step {step}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s"
+        text = f"step {step}  loss {loss:.4f}  {format_rate(samples_per_s)}"
         self._bar.update(self._task, description=text)
 
     def stop(self) -> None:

@@ -1,4 +1,4 @@
-"""Writing ``runs/<name>/``: metrics.jsonl, summary.json, report.html and the exported model.
+"""Writing ``runs/<name>/``: metrics.jsonl, tb/, summary.json, report.html and the exported model.
 
 Every rank takes part in the gather (a collective); rank 0 writes. A rank that shares no process
 group (a parameter-server worker) writes its own records to ``workers/`` instead, and the job
@@ -14,6 +14,7 @@ from typing import Any
 
 from distml.comm.collectives import all_gather_json
 from distml.telemetry.console import print_summary
+from distml.telemetry.metrics_stream import write_metrics
 from distml.telemetry.run_record import RunRecord
 from distml.telemetry.summary import measured_bubble, memory_per_rank, summarize
 from distml.train.checkpoint import (
@@ -62,10 +63,7 @@ def write_run_files(run: RunRecord, eval_metrics: dict[str, float]) -> dict[str,
         summary["export"] = str(export_state(state, export))
     elif run.module is not None:
         summary["export"] = str(export_safetensors(run.module, export))
-    with open(run_dir / "metrics.jsonl", "w") as f:
-        for records in per_rank:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
+    write_metrics(run_dir, per_rank, eval_metrics)  # metrics.jsonl and TensorBoard's tb/
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     from distml.telemetry.report import write_report  # matplotlib: rank 0 only, at the end
 

@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from distml.telemetry.summary import format_bytes
+from distml.telemetry.units import format_bytes, format_energy, format_rate, format_seconds
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -18,12 +18,10 @@ def print_summary(summary: dict[str, Any]) -> None:
         table.add_row("final loss", f"{summary['final_loss']:.4f}")
     for name, value in summary["eval"].items():
         table.add_row(f"eval {name}", f"{value:.4f}" if isinstance(value, float) else str(value))
-    table.add_row("samples/s", f"{summary['samples_per_s']:,.0f}")
+    table.add_row("throughput", format_rate(summary["samples_per_s"]))
     table.add_row(
-        "compute / comm / wait (s)",
-        "{:.2f} / {:.2f} / {:.2f}".format(
-            summary["compute_s"], summary["comm_s"], summary["sync_wait_s"]
-        ),
+        "compute / comm / wait",
+        " / ".join(format_seconds(summary[k]) for k in ("compute_s", "comm_s", "sync_wait_s")),
     )
     for name, n in summary["comm_bytes"].items():
         table.add_row(f"{name} payload per rank", format_bytes(n))
@@ -45,7 +43,7 @@ def print_summary(summary: dict[str, Any]) -> None:
                 "pipeline bubble (measured / formula)",
                 f"{bubble['measured']:.3f} / {bubble['formula']:.3f}",
             )
-    table.add_row("energy", f"{summary['energy_j']:.1f} J ({summary['energy_source']})")
+    table.add_row("energy", f"{format_energy(summary['energy_j'])} ({summary['energy_source']})")
     stragglers = ", ".join(f"rank {s['rank']} ({s['ratio']:.2f}x)" for s in summary["stragglers"])
     table.add_row("stragglers", stragglers or "none")
     table.add_row("report", summary.get("report", ""))

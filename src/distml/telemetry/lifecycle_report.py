@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from distml.telemetry.report import _esc, _fmt, _table, write_html
+from distml.telemetry.report import _esc, _table, write_html
+from distml.telemetry.units import format_figure, format_seconds
 
 _STAGE_FIGURES = {
     "preprocess": ("rows", "shards", "workers"),
@@ -30,8 +31,8 @@ def write_lifecycle_report(folder: Path, summary: dict[str, Any]) -> Path:
     rows = [
         [
             name,
-            stage["seconds"],
-            ", ".join(f"{k}={_fmt(stage.get(k))}" for k in _STAGE_FIGURES[name]),
+            format_seconds(stage["seconds"]),
+            ", ".join(f"{k}={format_figure(k, stage.get(k))}" for k in _STAGE_FIGURES[name]),
         ]
         for name, stage in stages.items()
     ]
@@ -41,9 +42,10 @@ def write_lifecycle_report(folder: Path, summary: dict[str, Any]) -> Path:
     )
     parts = [
         f"<h1>Lifecycle {_esc(summary['run_name'])}</h1>",
-        f"<p>{summary['workers']} worker processes; {summary['seconds']:.1f} s in all.</p>",
+        f"<p>{summary['workers']} worker processes; "
+        f"{format_seconds(summary['seconds'])} in all.</p>",
         "<h2>Stages</h2>",
-        _table(["stage", "seconds", "figures"], rows),
+        _table(["stage", "time", "figures"], rows),
         "<h2>Runs</h2>",
         f"<p>The training and fine-tuning runs' own reports:</p><ul>{runs}</ul>",
     ]

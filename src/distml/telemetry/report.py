@@ -1,5 +1,8 @@
 """A self-contained HTML report of one training run: plots as base64 PNGs, inline CSS, no links.
 
+Figures read in their units (27.0 MB, 850 ms, 10.9 k samples/s: :mod:`distml.telemetry.units`);
+the exact numbers are in ``summary.json`` and ``metrics.jsonl``.
+
 Figures are drawn on ``matplotlib.figure.Figure`` objects directly (Agg canvas, no pyplot), so
 writing a report touches no global plotting state and needs no display.
 """
@@ -15,6 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from distml.telemetry.units import (
+    axis_scale,
+    format_bytes,
+    format_figure,
+    format_rate,
+    format_seconds,
+)
 
 Records = list[list[dict[str, Any]]]
 
@@ -68,6 +80,7 @@ def _figure(label: str, title: str, xlabel: str, ylabel: str) -> tuple[Figure, A
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps, rounds, ranks: no 1.5
     ax.grid(alpha=0.3)
     return fig, ax
 
@@ -86,31 +99,39 @@ def _plots(per_rank: Records, summary: dict[str, Any]) -> list[str]:
     ax.legend()
     imgs.append(_png(fig))
 
-    fig, ax = _figure("throughput", "Throughput (all ranks)", "step", "samples/s")
     rates: dict[int, float] = defaultdict(float)
     for records in per_rank:
         for rec in records:
             if rec.get("step_s"):
                 rates[int(rec["step"])] += rec.get("samples", 0) / rec["step_s"]
-    ax.plot(sorted(rates), [rates[s] for s in sorted(rates)])
+    divisor, unit = axis_scale(list(rates.values()), "samples/s")
+    fig, ax = _figure("throughput", "Throughput (all ranks)", "step", f"throughput ({unit})")
+    ax.plot(sorted(rates), [rates[s] / divisor for s in sorted(rates)])
     imgs.append(_png(fig))
 
-    fig, ax = _figure("step_time", "Step time per rank", "step", "seconds")
+    divisor, unit = axis_scale([r["step_s"] for records in per_rank for r in records], "s")
+    fig, ax = _figure("step_time", "Step time per rank", "step", f"step time ({unit})")
     for rank, records in enumerate(per_rank):
         if records:
-            ax.plot([r["step"] for r in records], [r["step_s"] for r in records], label=f"{rank}")
+            times = [r["step_s"] / divisor for r in records]
+            ax.plot([r["step"] for r in records], times, label=f"{rank}")
     ax.legend(title="rank", fontsize="small")
     imgs.append(_png(fig))
 
-    fig, ax = _figure("time_split", "Time split per rank (totals)", "rank", "seconds")
     ranks = list(range(len(per_rank)))
+    split = {
+        name: [sum(r.get(key, 0.0) for r in records) for records in per_rank]
+        for key, name in (
+            ("compute_s", "compute"),
+            ("comm_s", "communication"),
+            ("sync_wait_s", "sync wait"),
+        )
+    }
+    divisor, unit = axis_scale([sum(t) for t in zip(*split.values(), strict=True)], "s")
+    fig, ax = _figure("time_split", "Time split per rank (totals)", "rank", f"time ({unit})")
     bottom = [0.0] * len(ranks)
-    for key, name in (
-        ("compute_s", "compute"),
-        ("comm_s", "communication"),
-        ("sync_wait_s", "sync wait"),
-    ):
-        totals = [sum(r.get(key, 0.0) for r in records) for records in per_rank]
+    for name, seconds in split.items():
+        totals = [t / divisor for t in seconds]
         ax.bar(ranks, totals, bottom=bottom, label=name)
         bottom = [b + t for b, t in zip(bottom, totals, strict=True)]
     ax.set_xticks(ranks)
@@ -118,9 +139,11 @@ def _plots(per_rank: Records, summary: dict[str, Any]) -> list[str]:
     imgs.append(_png(fig))
 
     source = summary.get("energy_source", "unknown")
-    fig, ax = _figure("energy", f"Energy per step (source: {source})", "step", "joules")
     steps, energy = _by_step(per_rank, "energy_j", sum)
-    ax.plot(steps, energy)
+    divisor, unit = axis_scale(energy, "J")
+    title = f"Energy per step, all ranks (source: {source})"
+    fig, ax = _figure("energy", title, "step", f"energy ({unit})")
+    ax.plot(steps, [e / divisor for e in energy])
     imgs.append(_png(fig))
     return imgs
 
@@ -133,31 +156,31 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-_KEY_FIGURES = (
-    "world_size",
-    "strategy",
-    "steps",
-    "final_loss",
-    "eval",
-    "samples_per_s",
-    "comm_bytes",
-    "comm_s",
-    "sync_wait_s",
-    "compute_s",
-    "energy_j",
-    "energy_source",
-    "param_norm",
-    "export",
-)
-_RANK_COLUMNS = (
-    "rank",
-    "step_s",
-    "compute_s",
-    "comm_s",
-    "sync_wait_s",
-    "energy_j",
-    "peak_mem_bytes",
-)
+_KEY_FIGURES = {  # summary key: what the report calls it
+    "world_size": "world size",
+    "strategy": "strategy",
+    "steps": "steps",
+    "final_loss": "final loss",
+    "eval": "evaluation",
+    "samples_per_s": "throughput",
+    "comm_bytes": "payload per rank, by collective",
+    "comm_s": "communication (rank 0)",
+    "sync_wait_s": "sync wait (rank 0)",
+    "compute_s": "compute (rank 0)",
+    "energy_j": "energy (all ranks)",
+    "energy_source": "energy source",
+    "param_norm": "parameter norm (L2)",
+    "export": "exported model",
+}
+_RANK_COLUMNS = {  # summary key: column heading
+    "rank": "rank",
+    "step_s": "step time",
+    "compute_s": "compute",
+    "comm_s": "communication",
+    "sync_wait_s": "sync wait",
+    "energy_j": "energy",
+    "peak_mem_bytes": "peak memory",
+}
 
 
 _MEMORY_COLUMNS = ("rank", "params", "grads", "optimizer", "activations", "total")
@@ -177,8 +200,11 @@ def _layout_section(summary: dict[str, Any]) -> list[str]:
         parts += ["<h3>Pipeline bubble</h3>", _table(["", "idle share"], rows)]
     memory = summary.get("memory_per_rank") or []
     if memory:
-        rows = [[r.get(c) for c in _MEMORY_COLUMNS] for r in memory]
-        parts += ["<h3>Memory per rank (bytes)</h3>", _table(list(_MEMORY_COLUMNS), rows)]
+        rows = [
+            [r.get("rank"), *(format_bytes(r.get(c, 0)) for c in _MEMORY_COLUMNS[1:])]
+            for r in memory
+        ]
+        parts += ["<h3>Memory per rank</h3>", _table(list(_MEMORY_COLUMNS), rows)]
     return parts
 
 
@@ -251,14 +277,16 @@ def _ps_section(summary: dict[str, Any]) -> list[str]:
         fig, ax = _figure("staleness", "Staleness of applied pushes", "versions behind", "pushes")
         ax.bar(list(staleness), list(staleness.values()))
         parts.append(_png(fig))
-    rows = [[w["rank"], w["steps"], w["pushed"], w["samples_per_s"]] for w in ps["workers"]]
+    rows = [
+        [w["rank"], w["steps"], w["pushed"], format_rate(w["samples_per_s"])] for w in ps["workers"]
+    ]
     parts.append(_table(["worker", "steps recorded", "pushes", "samples/s"], rows))
     rows = [
-        [k, *(s.get(c) for c in _SHARD_COLUMNS), s["pushes"], s["queue_s"]["total"],
-         s["apply_s"]["median"]]
+        [k, *(format_figure(c, s.get(c)) for c in _SHARD_COLUMNS), s["pushes"],
+         format_seconds(s["queue_s"]["total"]), format_seconds(s["apply_s"]["median"])]
         for k, s in enumerate(ps["shards"])
     ]  # fmt: skip
-    header = ["shard", *_SHARD_COLUMNS, "pushes", "queue (total s)", "apply (median s)"]
+    header = ["shard", *_SHARD_COLUMNS, "pushes", "queue (total)", "apply (median)"]
     parts.append(_table(header, rows))
     lost = ps.get("lost_workers") or []
     parts.append(f"<p>Lost workers: {_esc(lost or 'none')}.</p>")
@@ -273,20 +301,30 @@ def write_report(run_dir: Path, per_rank: Records, summary: dict[str, Any]) -> P
     parts = [
         f"<h1>Run {_esc(name)}</h1>",
         "<h2>Summary</h2>",
-        _table(["figure", "value"], [[k, summary[k]] for k in _KEY_FIGURES if k in summary]),
+        _table(
+            ["figure", "value"],
+            [
+                [name, format_figure(k, summary[k])]
+                for k, name in _KEY_FIGURES.items()
+                if k in summary
+            ],
+        ),
         "<h2>Stragglers</h2>",
     ]
     stragglers = summary.get("stragglers") or []
     if stragglers:
-        rows = [[s.get("rank"), s.get("median_compute_s"), s.get("ratio")] for s in stragglers]
-        parts.append(_table(["rank", "median compute (s)", "ratio to median"], rows))
+        rows = [
+            [s.get("rank"), format_seconds(s["median_compute_s"]), f"{s['ratio']:.2f}x"]
+            for s in stragglers
+        ]
+        parts.append(_table(["rank", "median compute", "ratio to the others' median"], rows))
     else:
         parts.append("<p>None.</p>")
     ranks = summary.get("ranks") or []
     if ranks:
         parts.append("<h2>Per rank</h2>")
-        rows = [[r.get(c) for c in _RANK_COLUMNS] for r in ranks]
-        parts.append(_table(list(_RANK_COLUMNS), rows))
+        rows = [[format_figure(k, r.get(k)) for k in _RANK_COLUMNS] for r in ranks]
+        parts.append(_table(list(_RANK_COLUMNS.values()), rows))
     parts.extend(_plan_section(summary))
     parts.extend(_layout_section(summary))
     parts.extend(_ps_section(summary))

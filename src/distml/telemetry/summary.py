@@ -13,15 +13,6 @@ from collections import defaultdict
 from typing import Any
 
 
-def format_bytes(n: float) -> str:
-    """``n`` bytes in the largest binary unit below it: "512.0 B", "1.5 MiB", "2.0 GiB"."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def attribute_waits(per_rank: list[list[dict[str, Any]]]) -> None:
     """Split each record's ``exposed_comm_s`` into ``sync_wait_s`` and ``comm_s``, in place."""
     steps = min((len(r) for r in per_rank), default=0)
