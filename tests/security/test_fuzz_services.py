@@ -354,7 +354,7 @@ def test_a_replica_survives_fuzzing_unchanged(served):
 
     app = create_replica_app(served, TOKEN, max_batch_size=8, max_body=2**16)
     with serving(app) as url, honest(url) as client:
-        report = fuzz("replica", url, pinned={"name": "digits-cnn"})
+        report = fuzz("replica", url, pinned={"name": "digits-cnn", "version": "1"})
 
         assert client.get("/v2/health/ready").status_code == 200
         assert_answers_like_the_model(client, served)
@@ -371,7 +371,7 @@ def test_the_router_survives_fuzzing_unchanged(served):
         router = Router([replica_url], TOKEN, retry_s=1.0, timeout_s=10.0, health_interval_s=0.2)
         app = create_router_app(router, TOKEN, max_body=2**16)
         with serving(app) as url, honest(url) as client:
-            report = fuzz("router", url, pinned={"name": "digits-cnn"})
+            report = fuzz("router", url, pinned={"name": "digits-cnn", "version": "1"})
 
             assert client.get("/v2/health/ready").status_code == 200
             assert_answers_like_the_model(client, served)

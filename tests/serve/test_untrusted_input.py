@@ -258,12 +258,14 @@ def test_every_route_declares_its_request_body(served):
         with TestClient(app) as client:
             document = client.get("/openapi.json", headers=AUTH).json()
         posts = {p: ops["post"] for p, ops in document["paths"].items() if "post" in ops}
-        assert set(posts) == {"/v2/models/{name}/infer"}, which
-        body = posts["/v2/models/{name}/infer"]["requestBody"]
-        assert body["required"] and str(limit) in body["description"], which
-        schema = body["content"]["application/json"]["schema"]
-        assert schema["required"] == ["inputs"], which
-        assert "$ref" not in str(schema), which
+        infer = ("/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer")
+        assert set(posts) == {*infer, "/v2/repository/index"}, which
+        for path in infer:
+            body = posts[path]["requestBody"]
+            assert body["required"] and str(limit) in body["description"], which
+            schema = body["content"]["application/json"]["schema"]
+            assert schema["required"] == ["inputs"], which
+            assert "$ref" not in str(schema), which
 
 
 # -- the router --------------------------------------------------------------------------------

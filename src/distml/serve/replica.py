@@ -1,4 +1,5 @@
-"""One model replica: the Open Inference Protocol v2 REST API over a dynamic batcher.
+"""One model replica: the Open Inference Protocol v2 REST API over a dynamic batcher, tensors in
+JSON or with the binary tensor data extension (``tritonclient.http``'s default).
 
 Every route needs the bearer token; every request body is validated (pydantic, then the model's
 signature, values within their datatype, at most ``max_batch_rows`` rows) before it reaches the
@@ -15,31 +16,43 @@ queue as the traffic.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from importlib.metadata import version as package_version
 from typing import Annotated, Any
 
 import torch
 from fastapi import FastAPI, HTTPException, Path, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import Counter, Histogram
+from starlette.responses import Response
 
 from distml.net import create_app, read_body
 from distml.serve.batching import MAX_BATCH_ROWS, BatchFailed, DynamicBatcher, InferenceFailed
 from distml.serve.model import ServedModel
 from distml.serve.protocol import (
+    HEADER_LENGTH,
+    MAX_INDEX_BODY,
+    OCTET_STREAM,
     InferResponse,
     ModelMetadata,
     ProtocolError,
+    RepositoryModel,
+    ServerMetadata,
     decode_request,
+    encode_response,
+    index_body,
     infer_body,
     metadata_of,
+    parse_index_request,
+    server_metadata,
     to_output,
 )
 
 PLATFORM = "pytorch_safetensors"
 VERSION = "1"
 ModelName = Annotated[str, Path(max_length=256)]
+ModelVersion = Annotated[str, Path(max_length=64)]
 
 
 def create_replica_app(
@@ -50,9 +63,12 @@ def create_replica_app(
     max_delay_ms: float = 2.0,
     max_body: int = 16 * 2**20,
     max_batch_rows: int = MAX_BATCH_ROWS,
+    grpc: Callable[..., Any] | None = None,
 ) -> FastAPI:
     """The replica's app; a request of more than ``max_batch_rows`` rows is refused (413), and
-    no forward pass takes more (``max_batch_size`` is the batch the batcher fills up to)."""
+    no forward pass takes more (``max_batch_size`` is the batch the batcher fills up to).
+    ``grpc`` serves the same model and batch queue over gRPC for the app's lifetime
+    (:meth:`distml.serve.grpc_service.GrpcService.serving`)."""
 
     async def ready() -> dict[str, Any]:
         try:
@@ -87,7 +103,11 @@ def create_replica_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         batcher.start(app.state.loops)
-        yield
+        if grpc is None:
+            yield
+        else:
+            async with grpc(served, batcher, registry):
+                yield
         await app.state.loops.stop()
         await batcher.close()
 
@@ -104,9 +124,17 @@ def create_replica_app(
         requests.labels("failed").inc()
         return JSONResponse({"error": str(exc)}, status_code=503)
 
-    def check_name(name: str) -> None:
+    def check_name(name: str, version: str = VERSION) -> None:
         if name != served.name:
             raise ProtocolError(404, f"unknown model {name!r}; this replica serves {served.name!r}")
+        if version != VERSION:
+            raise ProtocolError(404, f"unknown version {version!r} of {name!r}; it has {VERSION!r}")
+
+    about = server_metadata("distml", package_version("distml"))
+
+    @app.get("/v2")
+    async def server() -> ServerMetadata:
+        return about
 
     @app.get("/v2/health/live")
     async def live() -> dict[str, bool]:
@@ -117,9 +145,20 @@ def create_replica_app(
         await ready()
         return {"ready": True}
 
-    @app.get("/v2/models/{name}")
-    async def metadata(name: ModelName) -> ModelMetadata:
-        check_name(name)
+    @app.post("/v2/repository/index", openapi_extra=index_body(), response_model_exclude_none=True)
+    async def repository_index(request: Request) -> list[RepositoryModel]:
+        query = parse_index_request(await _read_body(request, MAX_INDEX_BODY))
+        try:
+            await ready()
+        except HTTPException as exc:
+            unavailable = RepositoryModel(
+                name=served.name, version=VERSION, state="UNAVAILABLE", reason=str(exc.detail)
+            )
+            return [] if query.ready else [unavailable]
+        return [RepositoryModel(name=served.name, version=VERSION, state="READY")]
+
+    def model_metadata(name: str, version: str = VERSION) -> ModelMetadata:
+        check_name(name, version)
         return ModelMetadata(
             name=served.name,
             versions=[VERSION],
@@ -128,17 +167,16 @@ def create_replica_app(
             outputs=[metadata_of(served.output)],
         )
 
-    @app.get("/v2/models/{name}/ready")
-    async def model_ready(name: ModelName) -> dict[str, Any]:
-        check_name(name)
+    async def model_is_ready(name: str, version: str = VERSION) -> dict[str, Any]:
+        check_name(name, version)
         await ready()
         return {"name": served.name, "ready": True}
 
-    @app.post("/v2/models/{name}/infer", openapi_extra=infer_body(max_body))
-    async def infer(name: ModelName, request: Request) -> InferResponse:
-        check_name(name)
-        body = await read_body(request, max_body)
-        parsed, x = decode_request(body, served.input, max_batch_rows)
+    async def run_inference(request: Request, name: str, version: str = VERSION) -> Response:
+        check_name(name, version)
+        body = await _read_body(request, max_body)
+        header_length = request.headers.get(HEADER_LENGTH)
+        parsed, x = decode_request(body, served.input, max_batch_rows, header_length)
         wanted = [o.name for o in parsed.outputs or []]
         if any(o != served.output.name for o in wanted):
             raise ProtocolError(400, f"unknown output; the model gives {served.output.name!r}")
@@ -146,14 +184,52 @@ def create_replica_app(
         y = await _predict(batcher, x)
         latency.observe(time.perf_counter() - start)
         requests.labels("ok").inc()
-        return InferResponse(
+        answer = InferResponse(
             model_name=served.name,
             model_version=VERSION,
             id=parsed.id,
-            outputs=[to_output(y, served.output)],
+            outputs=[to_output(y, served.output, parsed.wants_binary(served.output.name))],
         )
+        content, json_length = encode_response(answer, [y])
+        if json_length is None:
+            return Response(content, media_type="application/json")
+        return Response(content, media_type=OCTET_STREAM, headers={HEADER_LENGTH: str(json_length)})
+
+    @app.get("/v2/models/{name}")
+    async def metadata(name: ModelName) -> ModelMetadata:
+        return model_metadata(name)
+
+    @app.get("/v2/models/{name}/versions/{version}")
+    async def version_metadata(name: ModelName, version: ModelVersion) -> ModelMetadata:
+        return model_metadata(name, version)
+
+    @app.get("/v2/models/{name}/ready")
+    async def model_ready(name: ModelName) -> dict[str, Any]:
+        return await model_is_ready(name)
+
+    @app.get("/v2/models/{name}/versions/{version}/ready")
+    async def version_ready(name: ModelName, version: ModelVersion) -> dict[str, Any]:
+        return await model_is_ready(name, version)
+
+    infer_route = {"response_model": InferResponse, "openapi_extra": infer_body(max_body)}
+
+    @app.post("/v2/models/{name}/infer", **infer_route)
+    async def infer(name: ModelName, request: Request) -> Response:
+        return await run_inference(request, name)
+
+    @app.post("/v2/models/{name}/versions/{version}/infer", **infer_route)
+    async def version_infer(name: ModelName, version: ModelVersion, request: Request) -> Response:
+        return await run_inference(request, name, version)
 
     return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, its refusal (413) in the protocol's error shape, which OIP clients read."""
+    try:
+        return await read_body(request, limit)
+    except HTTPException as exc:
+        raise ProtocolError(exc.status_code, str(exc.detail)) from None
 
 
 async def _predict(batcher: DynamicBatcher, x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ answered as it is, never sent to another replica, and takes no replica out of ro
 :meth:`Router.check_health` probes each replica through its real inference path and takes
 failing ones out of rotation until they answer again (the supervisor restarts dead ones); the
 router's app runs it as a background loop. ``drain()`` refuses new requests and waits for the
-ones in flight.
+ones in flight. Bodies and the headers of the binary tensor data extension pass through as they
+are, both ways: the router reads no tensor.
 
 The replicas are called with aiohttp rather than httpx: httpx's AsyncClient spends several times
 aiohttp's CPU per request at the router's concurrency (``benchmarks/serving.py``; the figures are
@@ -18,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -27,6 +28,8 @@ from distml.serve.policy import PowerOfTwoChoices, ReplicaState, RoutingPolicy
 
 # Statuses a replica gives while it is down, starting or draining: worth waiting out.
 TRANSIENT = {502, 503, 504}
+# Headers of the binary tensor data extension, sent on to the replica and back to the client.
+PASSED_HEADERS = ("Inference-Header-Content-Length",)
 
 
 class NoReplica(Exception):
@@ -44,6 +47,7 @@ class Forwarded:
     content_type: str
     replica: str
     attempts: int
+    headers: dict[str, str] = field(default_factory=dict)  # those of PASSED_HEADERS it gave
 
 
 class Router:
@@ -91,8 +95,15 @@ class Router:
         return self.policy.choose(candidates) if candidates else None
 
     async def forward(
-        self, method: str, path: str, content: bytes = b"", content_type: str = ""
+        self,
+        method: str,
+        path: str,
+        content: bytes = b"",
+        content_type: str = "",
+        headers: Mapping[str, str] | None = None,
     ) -> Forwarded:
+        """The answer of a replica to the request; ``headers`` are sent with it (each one of
+        :data:`PASSED_HEADERS` the client gave)."""
         if self.draining:
             raise Draining("the router is draining")
         http = self._client()
@@ -100,16 +111,23 @@ class Router:
         self.in_flight += 1
         self._idle.clear()
         try:
-            return await self._forward(http, method, path, content, content_type)
+            sent = dict(headers or {})
+            if content_type:
+                sent["Content-Type"] = content_type
+            return await self._forward(http, method, path, content, sent)
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
 
     async def _forward(
-        self, http: aiohttp.ClientSession, method: str, path: str, content: bytes, content_type: str
+        self,
+        http: aiohttp.ClientSession,
+        method: str,
+        path: str,
+        content: bytes,
+        headers: dict[str, str],
     ) -> Forwarded:
-        headers = {"Content-Type": content_type} if content_type else {}
         deadline = time.monotonic() + self.retry_s
         tried: set[ReplicaState] = set()
         attempts, delay, failure = 0, 0.02, ""
@@ -143,6 +161,7 @@ class Router:
                     response.headers.get("Content-Type", "application/json"),
                     replica.url,
                     attempts,
+                    {h: response.headers[h] for h in PASSED_HEADERS if h in response.headers},
                 )
                 if response.status < 500:
                     return forwarded

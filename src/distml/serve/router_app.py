@@ -1,4 +1,5 @@
-"""The router as a service: the replicas' Open Inference Protocol routes, forwarded, plus
+"""The router as a service: the replicas' Open Inference Protocol routes, forwarded (binary
+tensor data included, passed through unread), plus
 Prometheus metrics of its own (requests by outcome, latency, in-flight per replica), and a
 uvicorn server that drains before it stops: on SIGTERM/SIGINT new requests get 503 while the
 ones in flight finish, then the server exits.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from importlib.metadata import version as package_version
 from typing import Annotated, Any
 from urllib.parse import quote
 
@@ -22,11 +24,24 @@ from prometheus_client import Counter, Gauge, Histogram
 from starlette.responses import Response
 
 from distml.net import create_app, read_body
-from distml.serve.protocol import infer_body
+from distml.serve.protocol import (
+    HEADER_LENGTH,
+    MAX_INDEX_BODY,
+    InferResponse,
+    ModelMetadata,
+    ProtocolError,
+    RepositoryModel,
+    ServerMetadata,
+    index_body,
+    infer_body,
+    parse_header_length,
+    server_metadata,
+)
 from distml.serve.router import Draining, NoReplica, Router
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 ModelName = Annotated[str, Path(max_length=256)]
+ModelVersion = Annotated[str, Path(max_length=64)]
 
 
 def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) -> FastAPI:
@@ -71,12 +86,24 @@ def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) ->
         in_flight.labels(replica.url).set_function(lambda r=replica: r.in_flight)
         healthy.labels(replica.url).set_function(lambda r=replica: float(r.healthy))
 
-    async def forward(request: Request, path: str) -> Response:
-        body = await read_body(request, max_body) if request.method == "POST" else b""
+    async def forward(request: Request, path: str, limit: int = max_body) -> Response:
+        headers: dict[str, str] = {}
+        body = b""
+        try:
+            if request.method == "POST":
+                body = await read_body(request, limit)
+                header_length = request.headers.get(HEADER_LENGTH)
+                if header_length is not None:  # checked: what reaches a replica is well-formed
+                    parse_header_length(header_length, len(body))
+                    headers[HEADER_LENGTH] = header_length
+        except HTTPException as exc:
+            return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+        except ProtocolError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=exc.status)
         with latency.time():
             try:
                 result = await router.forward(
-                    request.method, path, body, request.headers.get("content-type", "")
+                    request.method, path, body, request.headers.get("content-type", ""), headers
                 )
             except Draining:
                 outcomes.labels("refused").inc()
@@ -88,11 +115,28 @@ def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) ->
             retries.inc(result.attempts - 1)
         kind = "ok" if result.status < 400 else "client_error" if result.status < 500 else "error"
         outcomes.labels(kind).inc()
-        return Response(result.content, result.status, media_type=result.content_type)
+        return Response(
+            result.content, result.status, result.headers, media_type=result.content_type
+        )
 
-    def model_path(name: str, tail: str = "") -> str:
+    def model_path(name: str, tail: str = "", version: str | None = None) -> str:
         # Quoted whole: a name holding "?", "#", "/" or a space stays one path segment.
-        return f"/v2/models/{quote(name, safe='')}{tail}"
+        path = f"/v2/models/{quote(name, safe='')}"
+        if version is not None:
+            path += f"/versions/{quote(version, safe='')}"
+        return path + tail
+
+    about = server_metadata("distml", package_version("distml"))
+
+    @app.get("/v2")
+    async def server() -> ServerMetadata:
+        return about
+
+    @app.post(
+        "/v2/repository/index", openapi_extra=index_body(), response_model=list[RepositoryModel]
+    )
+    async def repository_index(request: Request) -> Response:
+        return await forward(request, "/v2/repository/index", MAX_INDEX_BODY)
 
     @app.get("/v2/health/live")
     async def live() -> dict[str, bool]:
@@ -104,17 +148,33 @@ def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) ->
             raise HTTPException(503, "no replica is ready")
         return await forward(request, "/v2/health/ready")
 
-    @app.get("/v2/models/{name}")
+    @app.get("/v2/models/{name}", response_model=ModelMetadata)
     async def metadata(name: ModelName, request: Request) -> Response:
         return await forward(request, model_path(name))
+
+    @app.get("/v2/models/{name}/versions/{version}", response_model=ModelMetadata)
+    async def version_metadata(
+        name: ModelName, version: ModelVersion, request: Request
+    ) -> Response:
+        return await forward(request, model_path(name, version=version))
 
     @app.get("/v2/models/{name}/ready")
     async def model_ready(name: ModelName, request: Request) -> Response:
         return await forward(request, model_path(name, "/ready"))
 
-    @app.post("/v2/models/{name}/infer", openapi_extra=infer_body(max_body))
+    @app.get("/v2/models/{name}/versions/{version}/ready")
+    async def version_ready(name: ModelName, version: ModelVersion, request: Request) -> Response:
+        return await forward(request, model_path(name, "/ready", version))
+
+    infer_route = {"response_model": InferResponse, "openapi_extra": infer_body(max_body)}
+
+    @app.post("/v2/models/{name}/infer", **infer_route)
     async def infer(name: ModelName, request: Request) -> Response:
         return await forward(request, model_path(name, "/infer"))
+
+    @app.post("/v2/models/{name}/versions/{version}/infer", **infer_route)
+    async def version_infer(name: ModelName, version: ModelVersion, request: Request) -> Response:
+        return await forward(request, model_path(name, "/infer", version))
 
     return app
 
