@@ -237,3 +237,16 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def _one_thread():
     torch.set_num_threads(1)
     yield
+
+
+def read_events(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in ``tb_dir``'s event files, by tag, as (step, value), in written order."""
+    accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator",
+        reason="tensorboard is not installed (pip install 'distml[tensorboard]')",
+    )
+    events = accumulator.EventAccumulator(str(tb_dir), size_guidance={accumulator.SCALARS: 0})
+    events.Reload()
+    return {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }

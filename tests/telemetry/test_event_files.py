@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from tiny_run import shared_tiny_run
 
+from conftest import read_events
 from distml.federated.server import ServerConfig
 from distml.federated.strategy import LocalConfig, make_strategy
 from distml.jobs.fl_simulation import SimulationConfig, simulate
@@ -36,19 +37,6 @@ RANK_TAGS = {  # metrics.jsonl key: the tag under rank<r>/
     "energy_j": "energy_j",
     "peak_mem_bytes": "peak_mem_bytes",
 }
-
-
-def read_events(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar in ``tb_dir``'s event files, by tag, as (step, value), in written order."""
-    accumulator = pytest.importorskip(
-        "tensorboard.backend.event_processing.event_accumulator",
-        reason="tensorboard is not installed (pip install 'distml[tensorboard]')",
-    )
-    events = accumulator.EventAccumulator(str(tb_dir), size_guidance={accumulator.SCALARS: 0})
-    events.Reload()
-    return {
-        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
-    }
 
 
 def expected_from_jsonl(

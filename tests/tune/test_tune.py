@@ -17,9 +17,10 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from conftest import EXAMPLES, wait_for
+from conftest import EXAMPLES, read_events, wait_for
 from distml.tune import build_tune_config, load_objective, open_storage, tune
 from distml.tune.budget import SURPLUS, BudgetSpent, gate
+from distml.tune.job import run_folder
 from distml.tune.liveness import WORKER, mark_ended, mark_started
 from distml.tune.storage import GRACE_FACTOR
 from distml.tune.study import prepare_study
@@ -36,6 +37,12 @@ def objective(name: str) -> str:
 
 def sqlite_url(folder: Path) -> str:
     return f"sqlite:///{folder / 'study.db'}"
+
+
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch):
+    """Jobs write their event files under ./runs: here, the test's own folder."""
+    monkeypatch.chdir(tmp_path)
 
 
 def trials_of(url: str, study_name: str) -> list[optuna.trial.FrozenTrial]:
@@ -97,6 +104,7 @@ def test_the_median_pruner_stops_the_worse_trials(tmp_path, monkeypatch):
         storage=url,
         seed=1,
         pruner="median:startup=3",
+        runs_dir=tmp_path / "runs",
     )
     assert result.finished == 16 and result.failed == 0
     assert result.pruned >= 1 and result.complete >= 3
@@ -108,6 +116,19 @@ def test_the_median_pruner_stops_the_worse_trials(tmp_path, monkeypatch):
     # Every curve is x * (step + 1): the trial of the smallest x is never above a median, so
     # the best trial is never pruned.
     assert min(t.params["x"] for t in complete) < min(t.params["x"] for t in pruned)
+    # The study as TensorBoard has it, read back with tensorboard's own reader (float32).
+    events = read_events(tmp_path / "runs" / run_folder(result.study_name) / "tb")
+
+    def same(tag: str, expected: list[tuple[int, float]]) -> None:
+        assert [step for step, _ in events[tag]] == [step for step, _ in expected]
+        assert [v for _, v in events[tag]] == pytest.approx([v for _, v in expected], rel=1e-6)
+
+    for t in complete + pruned:
+        same(f"trial{t.number}/reported", sorted(t.intermediate_values.items()))
+    ordered = sorted(complete, key=lambda t: t.number)
+    same("value", [(t.number, t.value) for t in ordered])
+    best = [min(t.value for t in ordered[: i + 1]) for i in range(len(ordered))]
+    same("best_value", [(t.number, b) for t, b in zip(ordered, best, strict=True)])
 
     # Without a pruner every trial runs to the end. The objective is a function this time:
     # the workers import it by its module's name, from this process's sys.path.

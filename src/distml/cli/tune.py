@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
@@ -59,6 +60,9 @@ def start(
     seed: Annotated[int | None, typer.Option(help="Sampler seed; worker i gets SEED + i.")] = None,
     heartbeat: Heartbeat = 10,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    runs_dir: Annotated[
+        Path, typer.Option("--runs-dir", help="TensorBoard event files go to RUNS_DIR/<study>/tb/.")
+    ] = Path("runs"),
 ) -> None:
     """Run OBJECTIVE's trials in local worker processes until the study has TRIALS finished.
 
@@ -80,6 +84,7 @@ def start(
             pruner=pruner,
             seed=seed,
             heartbeat_s=heartbeat,
+            runs_dir=runs_dir,
         )
     except ConfigError as exc:
         fail_usage(str(exc))

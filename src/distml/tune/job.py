@@ -13,15 +13,18 @@ price is about a second of imports per worker, in parallel, against trials of se
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from distml.telemetry.metrics_stream import write_events
 from distml.tune.config import TuneConfig, build_tune_config
 from distml.tune.objective import Objective, load_objective, objective_spec
 from distml.tune.storage import DEFAULT_STORAGE, HEARTBEAT_S, open_storage
-from distml.tune.study import TuneResult, prepare_study, summarize
+from distml.tune.study import TuneResult, prepare_study, study_scalars, summarize
 
 
 class TuneError(RuntimeError):
@@ -39,6 +42,7 @@ def tune(
     pruner: str = "median",
     seed: int | None = None,
     heartbeat_s: int = HEARTBEAT_S,
+    runs_dir: Path | str | None = "runs",
 ) -> TuneResult:
     """Tune ``objective`` until its study has ``n_trials`` finished (complete or pruned) trials,
     in ``workers`` local processes; a study already in ``storage`` is resumed, not restarted.
@@ -48,7 +52,8 @@ def tune(
     ``median:startup=N,warmup=N,interval=N`` or ``none``. Worker i's sampler is seeded with
     ``seed + i``. Workers on other hosts join with :func:`distml.tune.run_worker` (``distml tune
     worker``) on the same storage URL and study name. Bad settings raise ``ConfigError`` before
-    anything starts; a job that could not finish raises ``TuneError``.
+    anything starts; a job that could not finish raises ``TuneError``. The study's trials go
+    to TensorBoard event files in ``runs_dir/<study>/tb/`` (None: nowhere).
 
     >>> result = tune("examples/digits/tune.py:objective", n_trials=8, workers=2,
     ...               direction="maximize", storage="sqlite:///digits.db")  # doctest: +SKIP
@@ -75,9 +80,17 @@ def tune(
     if summarize(study, config.n_trials).finished < config.n_trials:  # else: nothing to resume
         exit_codes = run_local_workers(config)
     result = summarize(study, config.n_trials)
+    if runs_dir is not None:
+        write_events(Path(runs_dir) / run_folder(result.study_name) / "tb", study_scalars(study))
     if result.finished < config.n_trials:
         raise TuneError(_unfinished(result, exit_codes))
     return result
+
+
+def run_folder(study_name: str) -> str:
+    """A study's folder name under ``runs/``: its name, with what a path cannot hold replaced
+    (the default name is the objective as written, ``examples/digits/tune.py:objective``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", study_name).strip("._") or "study"
 
 
 def _unfinished(result: TuneResult, exit_codes: list[int]) -> str:

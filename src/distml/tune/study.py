@@ -14,6 +14,7 @@ import optuna
 from optuna.trial import TrialState
 
 from distml.config import ConfigError
+from distml.telemetry.metrics_stream import Scalar
 from distml.tune.budget import is_failure
 from distml.tune.config import TuneConfig
 
@@ -85,6 +86,26 @@ class TuneResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"finished": self.finished}
+
+
+def study_scalars(study: optuna.Study) -> list[Scalar]:
+    """A study as TensorBoard scalars: each finished trial's reports (``trial<N>/reported`` at
+    its steps), and at each trial's number its final ``value`` and the study's ``best_value``
+    so far (pruned trials have reports, no value)."""
+    maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+    better = max if maximize else min
+    out: list[Scalar] = []
+    best: float | None = None
+    for trial in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
+        if trial.state not in (TrialState.COMPLETE, TrialState.PRUNED):
+            continue
+        tag = f"trial{trial.number}/reported"
+        out += [(tag, float(v), step) for step, v in sorted(trial.intermediate_values.items())]
+        if trial.state == TrialState.COMPLETE and trial.value is not None:
+            best = trial.value if best is None else better(best, trial.value)
+            out += [("value", float(trial.value), trial.number)]
+            out += [("best_value", float(best), trial.number)]
+    return out
 
 
 def summarize(study: optuna.Study, n_trials: int) -> TuneResult:
