@@ -1,12 +1,19 @@
 """``distml serve``: the default command and the subcommands coexist, a bad checkpoint is a
-usage error, and a deployment started from the command line serves and stops cleanly."""
+usage error, a deployment started from the command line serves and stops cleanly, and a first
+run on the loopback without a token makes one, prints it with a request that works, and keeps
+it off every command line and log (beyond the loopback it refuses to start without one)."""
 
 from __future__ import annotations
 
+import json
 import os
+import queue
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -16,6 +23,7 @@ import typer
 from safetensors.torch import save_model
 from typer.testing import CliRunner
 
+from conftest import child_pids, cmdline
 from distml.cli.serve import serve_app
 from distml.launch.elastic import free_port
 from distml.models import DigitsCNN
@@ -93,3 +101,77 @@ def test_serve_command_serves_and_stops(tmp_path):
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(30)
     assert code == 0
+
+
+def test_no_token_beyond_the_loopback_is_a_usage_error():
+    runner = CliRunner()
+    for command in (
+        ["serve", "ckpt", "--host", "0.0.0.0"],
+        ["serve", "replica", "ckpt", "--host", "0.0.0.0"],
+        ["serve", "replica", "ckpt", "--grpc-port", "9001", "--grpc-host", "0.0.0.0"],
+    ):
+        result = runner.invoke(_root(), command, env={TOKEN_ENV: None})
+        assert result.exit_code == 2, result.output
+        assert f"set {TOKEN_ENV}" in result.output and "0.0.0.0" in result.output
+        assert "loopback" in result.output
+    # A router's token is its replicas': one made for it would fit none of them.
+    result = runner.invoke(
+        _root(), ["serve", "router", "--replica", "http://a:1"], env={TOKEN_ENV: None}
+    )
+    assert result.exit_code == 2 and f"set {TOKEN_ENV}" in result.output
+
+
+def _lines(stream) -> queue.Queue[str]:
+    """The lines of ``stream`` as they come, read by a thread (the process keeps writing)."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
+    return lines
+
+
+@pytest.mark.distributed
+def test_a_first_run_on_the_loopback_makes_a_token_and_prints_a_working_request(tmp_path):
+    save_model(DigitsCNN(), str(tmp_path / "model.safetensors"))
+    port, logs = free_port(), tmp_path / "logs"
+    argv = [sys.executable, "-m", "distml.cli.serve", str(tmp_path), "--replicas", "1"]
+    argv += ["--model", "digits-cnn", "--port", str(port), "--log-dir", str(logs)]
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    printed = _lines(proc.stderr)
+    try:
+        deadline, shown = time.monotonic() + 120, []
+        while not shown or not shown[-1].lstrip().startswith("curl "):
+            assert proc.poll() is None, "".join(shown)
+            shown.append(printed.get(timeout=max(0.1, deadline - time.monotonic())))
+        curl = shlex.split(shown[-1])
+        token = curl[curl.index("-H") + 1].removeprefix("Authorization: Bearer ")
+        assert len(token) >= 16 and f"{TOKEN_ENV}={token}" in "".join(shown)
+        # The printed request works as it stands, and so does an inference with the token.
+        if shutil.which("curl"):
+            answer = subprocess.run(curl + ["-sS"], capture_output=True, text=True, timeout=60)
+            assert json.loads(answer.stdout)["name"] == "digits-cnn", answer
+        url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {token}"}
+        x = torch.randn(3, 1, 8, 8)
+        item = {"name": "input", "shape": [3, 1, 8, 8], "datatype": "FP32"}
+        payload = {"inputs": [{**item, "data": x.flatten().tolist()}]}
+        r = httpx.post(url + "/v2/models/digits-cnn/infer", json=payload, headers=auth)
+        assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [3, 10]
+        assert httpx.post(url + "/v2/models/digits-cnn/infer", json=payload).status_code == 401
+        # The replicas got it through their environment: no command line and no log holds it.
+        for pid in [proc.pid, *child_pids(proc.pid)]:
+            assert token.encode() not in cmdline(pid)
+        assert all(token not in log.read_text() for log in logs.iterdir())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    assert code == 0
+
+
+def test_a_grpc_port_without_the_grpc_extra_is_a_usage_error(monkeypatch):
+    """With grpcio missing, ``--grpc-port`` stops at once with the extra to install."""
+    monkeypatch.setitem(sys.modules, "grpc", None)  # what importing an absent package does
+    monkeypatch.delitem(sys.modules, "distml.serve.grpc_service", raising=False)
+    runner = CliRunner()
+    for command in (["serve", "ckpt"], ["serve", "replica", "ckpt"]):
+        result = runner.invoke(_root(), [*command, "--grpc-port", "9001"], env={TOKEN_ENV: TOKEN})
+        assert result.exit_code == 2, result.output
+        assert "pip install 'distml[grpc]'" in result.output

@@ -4,7 +4,11 @@
     distml serve replica CHECKPOINT --model digits-cnn --port 8101   # one replica, any host
     distml serve router --replica http://a:8101 --replica http://b:8101 --port 8100
 
-The token comes from DISTML_TOKEN (>= 16 characters); clients send it as a bearer token.
+The token comes from DISTML_TOKEN (>= 16 characters); clients send it as a bearer token. A
+deployment or a replica that listens on the loopback only makes one when DISTML_TOKEN is not
+set, and prints it once, on the terminal; beyond the loopback it refuses to start without one.
+With ``--grpc-port`` the replicas also serve the KServe v2 gRPC API (``pip install
+'distml[grpc]'``); the router stays HTTP.
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
+from urllib.parse import quote
 
 import typer
+from rich.console import Console
 
 from distml.cli.default_command import group_with_default
-from distml.cli.messages import fail_usage
+from distml.cli.messages import fail_usage, report_failure
+from distml.net.token import TOKEN_ENV, service_token, token_from_env
 
 DEPLOY = "deploy"
 
@@ -46,13 +53,41 @@ CertFile = Annotated[str | None, typer.Option(help="TLS certificate (PEM).")]
 KeyFile = Annotated[str | None, typer.Option(help="TLS key (PEM).")]
 
 
-def _token() -> str:
-    from distml.net import token_from_env
-
+def _token(*hosts: str) -> tuple[str, bool]:
+    """DISTML_TOKEN, or one made for a service on the loopback; and whether it was made."""
     try:
-        return token_from_env()
+        return service_token(*hosts)
     except ValueError as exc:
         fail_usage(str(exc))
+
+
+def _show_made_token(console: Console, token: str, url: str) -> None:
+    """The token made for this run, once, on the terminal and never in a log, with a request
+    that works as it stands (as Jupyter prints its URL with its token)."""
+    console.print(
+        f"no {TOKEN_ENV} was set, so this run made one (it listens on the loopback only);\n"
+        f"clients send it as a bearer token:\n"
+        f"    export {TOKEN_ENV}={token}\n"
+        f"    curl -H 'Authorization: Bearer {token}' {url}",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+
+
+def _url(scheme: str, host: str, port: int, path: str = "") -> str:
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}{path}"
+
+
+def _grpc_service_class() -> Any:
+    """:class:`~distml.serve.grpc_service.GrpcService`, or a usage error naming the extra."""
+    try:
+        # grpcio and tritonclient are the optional extra distml[grpc]: imported only when a
+        # gRPC port is asked for.
+        from distml.serve.grpc_service import GrpcService
+    except ImportError as exc:
+        fail_usage(f"--grpc-port: {exc}")
+    return GrpcService
 
 
 def _check_rows(max_batch_size: int, max_batch_rows: int) -> None:
@@ -78,11 +113,18 @@ def deploy(
     log_dir: Annotated[Path | None, typer.Option(help="Replica logs; default: a temp dir.")] = None,
     ssl_certfile: CertFile = None,
     ssl_keyfile: KeyFile = None,
+    grpc_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=65535,
+            help="Replica i also serves the KServe v2 gRPC API on GRPC_PORT + i, at --host "
+            "(the router stays HTTP; pip install 'distml[grpc]').",
+        ),
+    ] = None,
 ) -> None:
     """Start REPLICAS replica processes of CHECKPOINT on this machine and a router in front of
     them; a replica that dies is restarted. Ctrl-C drains the router, then stops the replicas."""
-    from rich.console import Console
-
     from distml.config import ConfigError
     from distml.jobs.replicas import ReplicaCommand, ReplicaSet
     from distml.serve.model import load_served_model
@@ -90,19 +132,50 @@ def deploy(
     from distml.serve.router_app import create_router_app, run_router
 
     _check_rows(max_batch_size, max_batch_rows)
-    token = _token()
+    token, made = _token(host)
+    if grpc_port is not None:
+        _grpc_service_class()
+        if ssl_certfile:
+            fail_usage(
+                "--grpc-port: a deployment's replicas serve gRPC without TLS; for gRPC over "
+                "TLS start each replica with distml serve replica --grpc-port PORT "
+                "--ssl-certfile CERT --ssl-keyfile KEY"
+            )
+        if grpc_port + replicas - 1 > 65535:
+            fail_usage(f"--grpc-port: {replicas} ports from {grpc_port} go past port 65535")
     try:
-        load_served_model(checkpoint, model, name)  # fail here, once, not in every replica
+        served = load_served_model(checkpoint, model, name)  # fail here, not in every replica
     except ConfigError as exc:
         fail_usage(str(exc))
     command = ReplicaCommand(
-        str(checkpoint), model, name, max_batch_size, max_delay_ms, max_batch_rows
+        str(checkpoint),
+        model,
+        name,
+        max_batch_size,
+        max_delay_ms,
+        max_batch_rows,
+        grpc_port=grpc_port,
+        grpc_host=host,
     )
     console = Console(stderr=True)
+    scheme = "https" if ssl_certfile else "http"
     with ReplicaSet(command, replicas, token, log_dir=log_dir) as replica_set:
-        replica_set.wait_ready()
+
+        def started() -> None:
+            url = _url(scheme, host, port)
+            console.print(f"serving {replicas} replica(s) at {url}/v2", highlight=False)
+            if replica_set.grpc_targets:
+                targets = ", ".join(replica_set.grpc_targets)
+                console.print(f"gRPC (KServe v2) on the replicas at {targets}", highlight=False)
+            if made:
+                metadata = _url(scheme, host, port, f"/v2/models/{quote(served.name, safe='')}")
+                _show_made_token(console, token, metadata)
+
+        try:
+            replica_set.wait_ready()
+        except (RuntimeError, TimeoutError) as exc:
+            report_failure("the replicas did not start", exc)
         router = Router(replica_set.urls, token)
-        scheme = "https" if ssl_certfile else "http"
         run_router(
             create_router_app(router, token),
             router,
@@ -110,9 +183,7 @@ def deploy(
             port,
             ssl_certfile=ssl_certfile,
             ssl_keyfile=ssl_keyfile,
-            on_started=lambda: console.print(
-                f"serving {replicas} replica(s) at {scheme}://{host}:{port}/v2", highlight=False
-            ),
+            on_started=started,
         )
 
 
@@ -129,6 +200,18 @@ def replica(
     max_body_mb: Annotated[float, typer.Option(help="Largest request body accepted.")] = 16.0,
     ssl_certfile: CertFile = None,
     ssl_keyfile: KeyFile = None,
+    grpc_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=65535,
+            help="Also serve the KServe v2 gRPC API on this port, over TLS with --ssl-certfile "
+            "and --ssl-keyfile (pip install 'distml[grpc]').",
+        ),
+    ] = None,
+    grpc_host: Annotated[
+        str | None, typer.Option(help="Address of the gRPC port; default: --host.")
+    ] = None,
 ) -> None:
     """Serve one replica of CHECKPOINT (put a router in front of several)."""
     # Requests come with gaps between them, and OpenMP's threads spin through each gap unless
@@ -143,7 +226,16 @@ def replica(
     from distml.serve.replica import create_replica_app
 
     _check_rows(max_batch_size, max_batch_rows)
-    token = _token()
+    grpc_host = grpc_host or host
+    token, made = _token(host, *([grpc_host] if grpc_port is not None else []))
+    max_body = int(max_body_mb * 2**20)
+    grpc = None
+    if grpc_port is not None:
+        service = _grpc_service_class()
+        try:
+            grpc = service(token, grpc_port, grpc_host, ssl_certfile, ssl_keyfile, max_body)
+        except ValueError as exc:
+            fail_usage(f"--grpc-port: {exc}")
     try:
         served = load_served_model(checkpoint, model, name)
     except ConfigError as exc:
@@ -153,9 +245,14 @@ def replica(
         token,
         max_batch_size=max_batch_size,
         max_delay_ms=max_delay_ms,
-        max_body=int(max_body_mb * 2**20),
+        max_body=max_body,
         max_batch_rows=max_batch_rows,
+        grpc=None if grpc is None else grpc.serving,
     )
+    if made:
+        scheme = "https" if ssl_certfile else "http"
+        path = f"/v2/models/{quote(served.name, safe='')}"
+        _show_made_token(Console(stderr=True), token, _url(scheme, host, port, path))
     serve(app, host, port, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
 
 
@@ -170,11 +267,15 @@ def router(
     ssl_certfile: CertFile = None,
     ssl_keyfile: KeyFile = None,
 ) -> None:
-    """Route requests over replicas started elsewhere (``distml serve replica``)."""
+    """Route requests over replicas started elsewhere (``distml serve replica``), with their
+    token: DISTML_TOKEN."""
     from distml.serve.router import Router
     from distml.serve.router_app import create_router_app, run_router
 
-    token = _token()
+    try:
+        token = token_from_env()  # the replicas' token: one made here would fit none of them
+    except ValueError as exc:
+        fail_usage(str(exc))
     router_ = Router(replica_urls, token, verify=ca_file or True)
     run_router(
         create_router_app(router_, token),

@@ -2,6 +2,10 @@
 any that dies (on the same port, so the router's list of replicas never changes). The router
 takes a dead replica out of rotation on its own; restarting it is this file's only job.
 
+With a gRPC port P, replica i also serves the KServe v2 gRPC API on port P + i (and again there
+when restarted): the router speaks HTTP only, so gRPC clients reach the replicas directly or
+through a gRPC load balancer of their own.
+
 >>> with ReplicaSet(ReplicaCommand("runs/digits", model="digits-cnn"), 2, token) as replicas:
 ...     replicas.wait_ready(60)  # doctest: +SKIP
 """
@@ -34,10 +38,14 @@ class ReplicaCommand:
     max_batch_size: int = 32
     max_delay_ms: float = 2.0
     max_batch_rows: int = MAX_BATCH_ROWS
+    grpc_port: int | None = None  # the first replica's; the others count up from it
+    grpc_host: str = "127.0.0.1"
 
-    def argv(self, port: int) -> list[str]:
+    def argv(self, port: int, grpc_port: int | None = None) -> list[str]:
         argv = [sys.executable, "-m", "distml.cli.serve", "replica", str(self.checkpoint)]
         argv += ["--host", "127.0.0.1", "--port", str(port)]
+        if grpc_port is not None:
+            argv += ["--grpc-port", str(grpc_port), "--grpc-host", self.grpc_host]
         argv += ["--max-batch-size", str(self.max_batch_size)]
         argv += ["--max-delay-ms", str(self.max_delay_ms)]
         argv += ["--max-batch-rows", str(self.max_batch_rows)]
@@ -51,6 +59,7 @@ class ReplicaCommand:
 @dataclass(eq=False, kw_only=True)
 class ReplicaProcess(ChildProcess):
     port: int = 0  # the port of the socket it is first handed
+    grpc_port: int | None = None  # bound by the replica itself (gRPC binds its own port)
 
     def __post_init__(self) -> None:
         if self.listen is not None:
@@ -59,6 +68,9 @@ class ReplicaProcess(ChildProcess):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def argv(self, command: ReplicaCommand) -> list[str]:
+        return command.argv(self.port, self.grpc_port)
 
 
 class ReplicaSet:
@@ -77,8 +89,15 @@ class ReplicaSet:
         self.max_restarts = max_restarts
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="distml-serve-"))
         log_dir.mkdir(parents=True, exist_ok=True)
+        first = command.grpc_port
+        if first is not None and first + replicas - 1 > 65535:
+            raise ValueError(f"{replicas} gRPC ports from {first} go past port 65535")
         self.processes = [
-            ReplicaProcess(log_dir / f"replica-{i}.log", listen=listening_socket())
+            ReplicaProcess(
+                log_dir / f"replica-{i}.log",
+                listen=listening_socket(),
+                grpc_port=None if first is None else first + i,
+            )
             for i in range(replicas)
         ]
         # Replicas split the cores between them rather than each taking all of them.
@@ -96,9 +115,16 @@ class ReplicaSet:
     def urls(self) -> list[str]:
         return [p.url for p in self.processes]
 
+    @property
+    def grpc_targets(self) -> list[str]:
+        """``host:port`` of each replica's gRPC service; empty without a gRPC port."""
+        host = self.command.grpc_host
+        host = f"[{host}]" if ":" in host else host
+        return [f"{host}:{p.grpc_port}" for p in self.processes if p.grpc_port is not None]
+
     def start(self) -> ReplicaSet:
         for p in self.processes:
-            p.start(self.command.argv(p.port), self._env)
+            p.start(p.argv(self.command), self._env)
         self._watch.start()
         return self
 
@@ -135,7 +161,7 @@ class ReplicaSet:
                     f"replica on port {p.port} exited ({code}); restart {p.restarts}",
                     file=sys.stderr,
                 )
-                p.start(self.command.argv(p.port), self._env)
+                p.start(p.argv(self.command), self._env)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM every replica (uvicorn finishes its requests in flight), then SIGKILL."""

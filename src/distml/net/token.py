@@ -1,8 +1,11 @@
-"""The shared secret of a distml service, read from the environment."""
+"""The shared secret of a distml service, read from the environment, or made on the spot for a
+service that only this machine can reach."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import secrets
 
 TOKEN_ENV = "DISTML_TOKEN"
 
@@ -14,3 +17,36 @@ def token_from_env(env: str = TOKEN_ENV) -> str:
     if len(token) < 16:
         raise ValueError(f"set {env} to a token of at least 16 characters")
     return token
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a service listening on ``host`` is reachable from this machine only. A name
+    other than ``localhost`` counts as reachable from elsewhere: it may resolve to anything."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def service_token(*hosts: str, env: str = TOKEN_ENV) -> tuple[str, bool]:
+    """The token of a service listening on ``hosts``, and whether it was made here.
+
+    ``env`` when it is set. When it is not and every host is on the loopback, a new random
+    token: a first run needs no setup, and the service still answers nobody without the token
+    (other users of this machine reach the loopback too). Beyond the loopback the operator
+    chooses the token; without one this raises ``ValueError``.
+
+    >>> token, made = service_token("127.0.0.1")  # doctest: +SKIP
+    """
+    if os.environ.get(env):
+        return token_from_env(env), False
+    beyond = [host for host in hosts if not is_loopback(host)]
+    if beyond:
+        raise ValueError(
+            f"set {env} to a token of at least 16 characters to listen on {beyond[0]}: beyond "
+            "the loopback a service needs a token chosen by its operator (on 127.0.0.1 one is "
+            "made for you)"
+        )
+    return secrets.token_urlsafe(24), True
