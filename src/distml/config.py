@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import signal
 import time
 import tomllib
 import types
@@ -210,6 +211,10 @@ class TelemetryConfig(_Model):
     """Show a progress line on the terminal."""
 
 
+RDZV_TIMEOUTS = ("timeout", "join_timeout", "last_call_timeout", "close_timeout", "read_timeout")
+_TRUE, _FALSE = ("1", "true", "t", "yes", "y"), ("0", "false", "f", "no", "n")  # torch's words
+
+
 class RunConfig(_Model):
     """A whole run: where it goes, how many processes, what strategy, what is measured."""
 
@@ -227,6 +232,34 @@ class RunConfig(_Model):
     """Fixed rank of this node (static rendezvous)."""
     rdzv_endpoint: str | None = None
     """HOST:PORT of the rendezvous, for more than one node."""
+    rdzv_id: str | None = None
+    """The rendezvous id, the same on every node of a run (none: the run name)."""
+    rdzv_backend: Literal["c10d", "static"] | None = None
+    """c10d or static (none: static where node_rank is given, else c10d)."""
+    rdzv_conf: dict[str, int | bool | str] = Field(default_factory=dict)
+    """Rendezvous options, in whole seconds: timeout (static), join_timeout, last_call_timeout,
+    close_timeout, read_timeout (c10d); and is_host (c10d: this node hosts the store)."""
+    local_addr: str | None = None
+    """This node's address for the other nodes (none: its address on the route to the
+    rendezvous)."""
+    role: Annotated[str, Field(pattern=r"^\S{1,128}$")] = "default"
+    """The workers' role (ROLE_NAME)."""
+    log_dir: Path | None = None
+    """Where the workers' logs go (none: logs in the run folder)."""
+    redirects: str = "0"
+    """Workers' streams into log files: 0 none, 1 stdout, 2 stderr, 3 both; or by local rank,
+    as 0:1,1:2."""
+    tee: str = "0"
+    """Workers' streams into log files and to the console, as redirects."""
+    no_python: bool = False
+    """Execute the script itself, not through python."""
+    run_path: bool = False
+    """Run the script with runpy.run_path in the worker (what distml does with any script);
+    wins over no_python."""
+    monitor_interval: Annotated[float, Field(gt=0)] = 0.1
+    """Seconds between the agent's checks on its workers."""
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    """Signals the agent passes on to its workers, comma-separated."""
     max_restarts: Annotated[int, Field(ge=0)] = 0
     """Restarts of the workers after a failure."""
     timeout_s: Annotated[float, Field(gt=0)] = 120.0
@@ -258,6 +291,59 @@ class RunConfig(_Model):
             parse_endpoint(v)
         return v
 
+    @field_validator("rdzv_id")
+    @classmethod
+    def _safe_id(cls, v: str | None) -> str | None:
+        # torch names the workers' log folder after it
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", v):
+            raise ValueError("use letters, digits, '.', '_' and '-'")
+        return v
+
+    @field_validator("rdzv_conf")
+    @classmethod
+    def _rdzv_conf(cls, conf: dict[str, int | bool | str]) -> dict[str, int | bool]:
+        """torch's rendezvous reads these options as it meets them, one at a time and some
+        only on a failure: each is checked here, before anything starts."""
+        out: dict[str, int | bool] = {}
+        for key, value in conf.items():
+            text = str(value).strip().lower()
+            if key == "is_host":
+                if text not in _TRUE + _FALSE:
+                    raise ValueError(f"is_host={value!r}: expected true or false")
+                out[key] = text in _TRUE
+            elif key in RDZV_TIMEOUTS:
+                if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
+                    raise ValueError(f"{key}={value!r}: expected whole seconds >= 1")
+                out[key] = int(text)
+            else:
+                known = ", ".join((*RDZV_TIMEOUTS, "is_host"))
+                raise ValueError(f"unknown rendezvous option {key!r}; known: {known}")
+        return out
+
+    @field_validator("redirects", "tee")
+    @classmethod
+    def _std(cls, v: str) -> str:
+        # torch's Std.from_str takes these forms (and only one-digit local ranks)
+        if not re.fullmatch(r"[0-3]|(\d:[0-3],)*\d:[0-3]", v):
+            raise ValueError(f"{v!r}: expected 0-3, or LOCAL_RANK:0-3 pairs as 0:1,1:2")
+        return v
+
+    @field_validator("signals_to_handle")
+    @classmethod
+    def _signals(cls, v: str) -> str:
+        names = [name.strip() for name in v.split(",")]
+        unknown = [n for n in names if not isinstance(getattr(signal, n, None), signal.Signals)]
+        if unknown:
+            raise ValueError(f"{', '.join(map(repr, unknown))}: not a signal name (SIGTERM, ...)")
+        return ",".join(names)
+
+    @field_validator("local_addr")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[\w.:\[\]-]+", v):
+            raise ValueError(f"{v!r} is not a host name or address")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         if self.max_nodes < self.min_nodes:
@@ -266,6 +352,11 @@ class RunConfig(_Model):
             raise ValueError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT")
         if self.node_rank is not None and self.node_rank >= self.max_nodes:
             raise ValueError(f"--node-rank {self.node_rank} is not below --nnodes {self.max_nodes}")
+        if self.rdzv_backend == "static" and self.max_nodes > 1:
+            if self.node_rank is None:
+                raise ValueError("--rdzv-backend static needs --node-rank on every node")
+            if self.min_nodes != self.max_nodes:
+                raise ValueError("--rdzv-backend static is a fixed world: give --nnodes N")
         if self.mesh is not None and self.min_nodes == self.max_nodes:
             world = self.world_size
             product = 1

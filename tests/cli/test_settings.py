@@ -58,6 +58,21 @@ def test_a_section_field_is_a_setting_with_nothing_else_written():
         ({"nproc": 3, "strategy": "ps", "consistency": "ssp:2", "servers": 2},
          ["nproc=3", "strategy.name=ps", "ps.consistency=ssp", "ps.staleness=2", "ps.servers=2"]),
         ({"run_name": "007"}, ["run_name=007"]),
+        ({"rdzv_id": "job-7", "role": "trainer", "local_addr": "10.0.0.2"},
+         ["rdzv_id=job-7", "role=trainer", "local_addr=10.0.0.2"]),
+        ({"nnodes": "2", "rdzv_endpoint": "h:1", "node_rank": 1, "rdzv_backend": "static"},
+         ["min_nodes=2", "max_nodes=2", "rdzv_endpoint=h:1", "node_rank=1",
+          "rdzv_backend=static"]),
+        ({"rdzv_conf": "join_timeout=60,is_host=true"},
+         ["rdzv_conf={join_timeout = 60, is_host = true}"]),
+        ({"rdzv_conf": "read_timeout=9,is_host=0"},
+         ["rdzv_conf={read_timeout = '9', is_host = 0}"]),
+        ({"log_dir": "logs", "redirects": "3", "tee": "0:1,1:2"},
+         ["log_dir=logs", "redirects=3", "tee=0:1,1:2"]),
+        ({"no_python": True, "run_path": True, "monitor_interval": 0.5},
+         ["no_python=true", "run_path=true", "monitor_interval=0.5"]),
+        ({"no_python": False}, []),  # a flag not given names no setting
+        ({"signals_to_handle": "SIGTERM, SIGUSR1"}, ["signals_to_handle=SIGTERM,SIGUSR1"]),
     ],
 )  # fmt: skip
 def test_a_flag_and_its_settings_give_the_same_config(flags, sets):
@@ -95,8 +110,23 @@ def test_values_are_read_as_toml_where_the_setting_is_not_text():
         (["model.layers=0"], "model.layers"),
         (["strategy.compression=zip"], "strategy.compression"),
         (["plan={}"], "unknown setting 'plan'"),  # the planner's record is not a setting
+        (["rdzv_conf={timout = 5}"], "unknown rendezvous option 'timout'; known: timeout"),
+        (["rdzv_conf={join_timeout = 0}"], "join_timeout=0: expected whole seconds >= 1"),
+        (["rdzv_conf={read_timeout = 'soon'}"], "read_timeout='soon': expected whole seconds"),
+        (["rdzv_conf={is_host = 'maybe'}"], "is_host='maybe': expected true or false"),
+        (["rdzv_backend=etcd"], "rdzv_backend"),
+        (["redirects=4"], "redirects: '4': expected 0-3"),
+        (["tee=0:1,1:7"], "tee: '0:1,1:7'"),
+        (["signals_to_handle=SIGTERM,SIGFOO"], "'SIGFOO': not a signal name"),
+        (["monitor_interval=0"], "monitor_interval"),
+        (["rdzv_id=a/b"], "rdzv_id: use letters, digits"),
+        (["role=two words"], "role"),
+        (["max_nodes=2", "min_nodes=2", "rdzv_endpoint=h:1", "rdzv_backend=static"],
+         "--rdzv-backend static needs --node-rank on every node"),
+        (["max_nodes=2", "node_rank=0", "rdzv_endpoint=h:1", "rdzv_backend=static"],
+         "--rdzv-backend static is a fixed world"),
     ],
-)
+)  # fmt: skip
 def test_a_bad_setting_is_one_config_error_naming_it(sets, message):
     with pytest.raises(ConfigError, match=message):
         resolve({}, sets)
@@ -123,3 +153,32 @@ def test_standalone_is_one_node(tmp_path, args):
     result = distml_invoke("run", *args, "train.py", cwd=tmp_path)
     assert result.exit_code == 2
     assert "--standalone is one node" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--rdzv_conf", "bogus=1"], {}, "unknown rendezvous option 'bogus'"),
+        ([], {"PET_RDZV_CONF": "bogus=1"}, "unknown rendezvous option 'bogus'"),
+        (["-r", "9"], {}, "redirects: '9'"),
+        ([], {"PET_TEE": "x"}, "tee: 'x'"),
+        (["--rdzv_backend", "etcd"], {}, "rdzv_backend"),
+        ([], {"PET_RDZV_ID": "a b"}, "rdzv_id: use letters"),
+        (["--signals_to_handle", "SIGNOPE"], {}, "'SIGNOPE': not a signal name"),
+        (["--monitor_interval", "-1"], {}, "monitor_interval"),
+        (["--no-python", "-m"], {}, "-m runs a module with python"),
+        (["--run_path", "-m"], {}, "-m runs a module with python"),
+        ([], {"PET_NO_PYTHON": "1"}, "--no-python: train.py is not an executable file"),
+    ],
+)
+def test_torchruns_other_flags_and_variables_are_checked_before_anything_starts(
+    tmp_path, monkeypatch, args, env, message
+):
+    """torchrun's spellings (``--rdzv_conf``, ``-r``...) and ``PET_*`` variables reach the
+    same settings, refused with the setting named before any process starts."""
+    (tmp_path / "train.py").write_text("raise SystemExit('never run')\n")  # not executable
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = distml_invoke("run", *args, "train.py", cwd=tmp_path)
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.stderr.split())

@@ -231,7 +231,8 @@ def pytorchjob_manifest() -> dict:
 
 def pytorchjob_commands(lan: Lan) -> list[tuple[list[str], list[str]]]:
     """Each replica's container command, and the variables training-operator gives it: the
-    master's address and port, the node count and rank, and nprocPerNode."""
+    master's address and port, the node count and rank, and nprocPerNode, with the container's
+    own (the rendezvous id)."""
     spec = pytorchjob_manifest()["spec"]
     out = []
     for replica in ("Master", "Worker"):
@@ -239,6 +240,7 @@ def pytorchjob_commands(lan: Lan) -> list[tuple[list[str], list[str]]]:
         env = [
             f"PET_MASTER_ADDR={lan.hosts[0].addr}", f"PET_MASTER_PORT={PORT}", "PET_NNODES=2",
             f"PET_NODE_RANK={len(out)}", f"PET_NPROC_PER_NODE={spec['nprocPerNode']}",
+            *(f"{var['name']}={var['value']}" for var in container.get("env", [])),
         ]  # fmt: skip
         out.append((container["command"], env))
     return out
@@ -269,7 +271,8 @@ def test_two_hosts_train_like_one(lan: Lan, tmp_path: Path, reference: Run, rend
         if rendezvous == "pytorchjob":  # the README manifest's command, in the operator's env
             command, env = pytorchjob_commands(lan)[node_rank]
             assert command[:2] == ["distml", "run"] and command[3:] == list(TRAIN_ARGS)
-            folders = ["--run-name", "two-hosts", "--runs-dir", str(tmp_path / host.hostname)]
+            # No --run-name: each replica names its run itself; the manifest's id joins them.
+            folders = ["--runs-dir", str(tmp_path / host.hostname)]
             slurm = ["env", *env]
             argv = [sys.executable, "-m", "distml", "run", *folders, *command[2:]]
         procs[host.hostname] = _start(
@@ -282,6 +285,8 @@ def test_two_hosts_train_like_one(lan: Lan, tmp_path: Path, reference: Run, rend
     # With c10d the node ranks follow the join order: rank 0 (and the run files) may be on
     # either host. With static rendezvous node a has rank 0.
     run_dirs = [tmp_path / h.hostname / "two-hosts" for h in lan.hosts]
+    if rendezvous == "pytorchjob":  # each node's one run folder, whatever its name
+        run_dirs = [next((tmp_path / h.hostname).iterdir()) for h in lan.hosts]
     run = _load_run(run_dirs, context)
     if rendezvous != "c10d":  # static rendezvous: node a has rank 0
         assert run.run_dir == run_dirs[0], context
@@ -295,3 +300,25 @@ def test_two_hosts_train_like_one(lan: Lan, tmp_path: Path, reference: Run, rend
     assert params.keys() == ref_params.keys()
     for name, value in ref_params.items():
         torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_two_hosts_with_different_rdzv_ids_fail_at_once(lan: Lan, tmp_path: Path):
+    """Two hosts started with different --rdzv-id: each fails with both ids named and what
+    to do, instead of waiting out the rendezvous to fail with a store error."""
+    endpoint = f"{lan.hosts[0].addr}:{PORT}"
+    procs = {}
+    for host, rdzv_id in zip(lan.hosts, ("job-a", "job-b"), strict=True):
+        args = [
+            "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
+            "--runs-dir", str(tmp_path / host.hostname),
+        ]  # fmt: skip
+        procs[host.hostname] = _start(
+            _host_command(lan, host, *_distml(*args)), tmp_path / f"{host.hostname}.log"
+        )
+    codes = _wait_all(procs, RUN_TIMEOUT_S)
+    context = _outputs(procs, codes)
+    assert codes == {h.hostname: "exit code 2" for h in lan.hosts}, context
+    for _, log in procs.values():
+        text = " ".join(log.read_text().split())
+        assert "'job-a'" in text and "'job-b'" in text, context
+        assert "give every node of a run the same --rdzv-id (or --run-name)" in text, context

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -86,6 +87,18 @@ ALIASES: dict[str, Callable[[Any], list[tuple[str, Any]]]] = {
     "nnodes": lambda text: list(zip(("min_nodes", "max_nodes"), parse_nnodes(text), strict=True)),
     "node_rank": lambda n: [("node_rank", n)],
     "rdzv_endpoint": lambda text: [("rdzv_endpoint", text)],
+    "rdzv_id": lambda text: [("rdzv_id", text)],
+    "rdzv_backend": lambda text: [("rdzv_backend", text)],
+    "rdzv_conf": lambda text: [("rdzv_conf", parse_options(text, f"--rdzv-conf {text!r}"))],
+    "role": lambda text: [("role", text)],
+    "log_dir": lambda path: [("log_dir", path)],
+    "redirects": lambda text: [("redirects", text)],
+    "tee": lambda text: [("tee", text)],
+    "local_addr": lambda text: [("local_addr", text)],
+    "no_python": lambda on: [("no_python", True)] if on else [],
+    "run_path": lambda on: [("run_path", True)] if on else [],
+    "monitor_interval": lambda s: [("monitor_interval", s)],
+    "signals_to_handle": lambda text: [("signals_to_handle", text)],
     "max_restarts": lambda n: [("max_restarts", n)],
     "run_name": lambda text: [("run_name", text)],
     "runs_dir": lambda path: [("runs_dir", path)],
@@ -189,13 +202,120 @@ def run(
             "--master-port",
             "--master_port",
             envvar="PET_MASTER_PORT",
-            help="torchrun's: the rendezvous port with --master-addr [default: 29500].",
+            help="torchrun's: the rendezvous port with --master-addr (default: 29500).",
         ),
     ] = None,
     standalone: Annotated[
         bool,
         typer.Option("--standalone", help="One node, with a rendezvous of its own (the default)."),
     ] = False,
+    rdzv_id: Annotated[
+        str | None,
+        typer.Option(
+            "--rdzv-id",
+            "--rdzv_id",
+            envvar="PET_RDZV_ID",
+            help="The rendezvous id, the same on every node (default: the run name).",
+        ),
+    ] = None,
+    rdzv_backend: Annotated[
+        str | None,
+        typer.Option(
+            "--rdzv-backend",
+            "--rdzv_backend",
+            envvar="PET_RDZV_BACKEND",
+            help="c10d or static (default: static with --node-rank, else c10d).",
+        ),
+    ] = None,
+    rdzv_conf: Annotated[
+        str | None,
+        typer.Option(
+            "--rdzv-conf",
+            "--rdzv_conf",
+            envvar="PET_RDZV_CONF",
+            help="Rendezvous options: timeout, join_timeout, last_call_timeout, close_timeout, "
+            "read_timeout (seconds), is_host; as KEY=VALUE,...",
+        ),
+    ] = None,
+    local_addr: Annotated[
+        str | None,
+        typer.Option(
+            "--local-addr",
+            "--local_addr",
+            envvar="PET_LOCAL_ADDR",
+            help="This node's address for the others (default: the one on the route to the "
+            "rendezvous).",
+        ),
+    ] = None,
+    role: Annotated[
+        str | None,
+        typer.Option(envvar="PET_ROLE", help="The workers' role, ROLE_NAME (default: default)."),
+    ] = None,
+    log_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--log-dir",
+            "--log_dir",
+            envvar="PET_LOG_DIR",
+            help="Where workers' logs go (default: logs in the run folder).",
+        ),
+    ] = None,
+    redirects: Annotated[
+        str | None,
+        typer.Option(
+            "-r",
+            "--redirects",
+            envvar="PET_REDIRECTS",
+            help="Workers' streams into log files: 0-3 (none, stdout, stderr, both), or by "
+            "local rank as 0:1,1:2.",
+        ),
+    ] = None,
+    tee: Annotated[
+        str | None,
+        typer.Option(
+            "-t",
+            "--tee",
+            envvar="PET_TEE",
+            help="Workers' streams into log files and to the console, as --redirects.",
+        ),
+    ] = None,
+    no_python: Annotated[
+        bool,
+        typer.Option(
+            "--no-python",
+            "--no_python",
+            envvar="PET_NO_PYTHON",
+            help="Execute SCRIPT itself, not through python.",
+        ),
+    ] = False,
+    run_path: Annotated[
+        bool,
+        typer.Option(
+            "--run-path",
+            "--run_path",
+            envvar="PET_RUN_PATH",
+            help="Run SCRIPT with runpy.run_path in the worker (distml's way for any script); "
+            "wins over --no-python.",
+        ),
+    ] = False,
+    monitor_interval: Annotated[
+        float | None,
+        typer.Option(
+            "--monitor-interval",
+            "--monitor_interval",
+            envvar="PET_MONITOR_INTERVAL",
+            help="Seconds between the agent's checks on its workers (default: 0.1).",
+        ),
+    ] = None,
+    signals_to_handle: Annotated[
+        str | None,
+        typer.Option(
+            "--signals-to-handle",
+            "--signals_to_handle",
+            envvar="PET_SIGNALS_TO_HANDLE",
+            help="Signals passed on to the workers (default: SIGTERM,SIGINT,SIGHUP,SIGQUIT).",
+        ),
+    ] = None,
     run_name: RunName = None,
     runs_dir: RunsDir = None,
     strategy: Annotated[
@@ -278,26 +398,39 @@ def run(
         fail_usage(str(exc))
     if cfg.strategy.name != "ps" and any(key.startswith("ps.") for key, _ in assignments):
         fail_usage("--consistency, --servers, --backup-workers and --ps-servers need --strategy ps")
-    if not module and not Path(script).is_file():
+    exec_script = cfg.no_python and not cfg.run_path  # torchrun's: --run-path wins
+    if module and (exec_script or cfg.run_path):
+        fail_usage("-m runs a module with python: give it without --no-python and --run-path")
+    if exec_script:  # found as exec finds it: on PATH, or at the path given
+        executable = shutil.which(script)
+        if executable is None:
+            fail_usage(f"--no-python: {script} is not an executable file (or on PATH)")
+        script = executable
+    elif not module and not Path(script).is_file():
         fail_usage(f"no such script: {script}")
     target = ["-m", script] if module else [script]
     from distml.jobs.strategy_jobs import strategy_job
 
     job = strategy_job(cfg.strategy.name)  # what the strategy starts besides its workers
-    if job is None:
+    if job is None and not exec_script:  # an executable is started as itself, not forked
         from distml.launch.forkserver import start_fork_server
 
         start_fork_server()  # its torch import runs alongside this process's, just below
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
     from distml.launch.elastic import LaunchError, run_program, run_workers
 
+    python = [] if exec_script else [sys.executable, "-u"]
     try:
         if job is not None:
-            job(cfg, [sys.executable, "-u", *target, *ctx.args])
+            job(cfg, [*python, *target, *ctx.args])
+        elif exec_script:
+            run_workers(cfg, script, tuple(ctx.args))
         else:
             run_workers(cfg, run_program, ([*target, *ctx.args], os.getcwd()))
     except ConfigError as exc:
         fail_usage(str(exc))
-    except LaunchError as exc:
+    except (LaunchError, RendezvousError) as exc:
         report_failure("distml run failed", exc)
     err.print(f"run folder: {cfg.run_dir}", highlight=False)
 
@@ -370,7 +503,7 @@ def _planned_config(
 @app.command()
 def demo(
     nproc: Annotated[
-        int | None, typer.Option(help="Worker processes [default: one per GPU, else 2].")
+        int | None, typer.Option(help="Worker processes (default: one per GPU, else 2).")
     ] = None,
     epochs: Annotated[int, typer.Option(help="Passes over the training set.")] = 8,
     finetune_epochs: Annotated[int, typer.Option(help="Passes of the fine-tune.")] = 8,

@@ -3,8 +3,10 @@
 Restarts are done here, one fresh agent per attempt, rather than by the agent's own
 ``max_restarts``: with gloo, the agent's restart reuses one rendezvous store across attempts and
 the restarted workers hang or are refused in ``connectFullMesh`` (pytorch issues 135712 and
-167288). A fresh agent brings a fresh store (a new port on a single host, a new run id on the
-rendezvous endpoint across hosts), so a restart works for any script, torchrun scripts included.
+167288). A fresh agent brings a fresh store (a new port on a single host, a new rendezvous on
+the rendezvous endpoint across hosts), so a restart works for any script, torchrun scripts
+included. The workers still see what torchrun's one agent would give them (restart count, most
+restarts, rendezvous id, log folders), through the run's logs spec (:class:`RunLogsSpecs`).
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import socket
 import struct
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import LogsDest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.distributed.run import run_script_path
@@ -31,7 +34,12 @@ from torch.distributed.run import run_script_path
 from distml.config import CONFIG_ENV, ConfigError, RunConfig, parse_endpoint, save_config
 from distml.devices import gpu_share_error
 from distml.launch.forkserver import start_fork_server
-from distml.net.ports import free_port
+from distml.launch.rendezvous import (
+    Rendezvous,
+    RendezvousStores,
+    plan_rendezvous,
+    rendezvous_id,
+)
 
 ATTEMPT_ENV = "DISTML_ATTEMPT"
 # A failed worker makes torch's agent log the failure, and a function's with a traceback that
@@ -84,17 +92,24 @@ def interface_of(addr: str) -> str | None:
 
 
 def node_addressing(config: RunConfig) -> tuple[str, dict[str, str]]:
-    """This node's address for the other nodes, and the environment gloo needs to use it.
+    """This node's address for the other nodes (``--local-addr``, else found here), and the
+    environment gloo needs to use it.
 
     Left to itself, torch finds its own address by resolving the hostname, which on many machines
     (Debian's 127.0.1.1 entry, containers) names the loopback: peers are then told to connect to
     127.0.0.1. The address on the route to the rendezvous endpoint is the one peers can reach.
     """
     if config.rdzv_endpoint is None:
-        return "127.0.0.1", {}
-    addr = route_source_addr(*parse_endpoint(config.rdzv_endpoint))
+        return config.local_addr or "127.0.0.1", {}
+    if config.local_addr is not None:
+        addr = config.local_addr
+    else:
+        addr = route_source_addr(*parse_endpoint(config.rdzv_endpoint))
     env = {}
-    ifname = interface_of(addr)
+    try:
+        ifname = interface_of(socket.gethostbyname(addr))
+    except OSError:  # a name this node cannot resolve: gloo is left to find its interface
+        ifname = None
     if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["GLOO_SOCKET_IFNAME"] = ifname
     return addr, env
@@ -107,41 +122,71 @@ _SHUTDOWN = (
 )
 
 
-def launch_config(config: RunConfig, attempt: int, local_addr: str) -> LaunchConfig:
+_LAUNCH_FIELDS = {f.name for f in fields(LaunchConfig)}
+_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # torchrun's launcher sets it; its workers inherit
+
+
+class RunLogsSpecs(DefaultLogsSpecs):
+    """torch's logs spec for a whole run, which also gives the workers the run's values of
+    torchrun's variables.
+
+    Each attempt's fresh agent counts no restarts of its own and knows its attempt's rendezvous
+    only; torchrun's one agent gives attempt k of a run ``TORCHELASTIC_RESTART_COUNT=k``, the
+    most restarts and the rendezvous id. ``reify`` is where torch hands the logs spec the
+    environment of each worker it is about to start, so the run's values (:attr:`run_env`) go
+    in there; the folders it makes are then torchrun's too, one per run and one per attempt:
+    ``<log_dir>/<rdzv_id>_<random>/attempt_<k>/<local_rank>/``.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.run_env: dict[str, str] = {}
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        for env in envs.values():
+            env.update(self.run_env)
+        return super().reify(envs)
+
+
+def logs_specs(config: RunConfig) -> RunLogsSpecs:
+    """The run's logs spec: ``--log-dir`` (else the run folder's ``logs``), ``--redirects`` and
+    ``--tee`` read by torch's own parser."""
+    return RunLogsSpecs(
+        log_dir=str((config.log_dir or config.run_dir / "logs").resolve()),
+        redirects=Std.from_str(config.redirects),
+        tee=Std.from_str(config.tee),
+    )
+
+
+def launch_config(
+    config: RunConfig, rdzv: Rendezvous, local_addr: str, logs: RunLogsSpecs
+) -> LaunchConfig:
     """The elastic agent's settings for one attempt of a run."""
-    rdzv_configs: dict[str, Any] = {"timeout": int(max(config.timeout_s, 30))}
-    if config.rdzv_endpoint is None:
-        backend, endpoint = "c10d", f"127.0.0.1:{free_port()}"
-    elif config.node_rank is not None:
-        # Static rendezvous: node ranks are fixed; each attempt moves to the next port.
-        host, port = parse_endpoint(config.rdzv_endpoint)
-        backend, endpoint = "static", f"{host}:{port + attempt}"
-        rdzv_configs["rank"] = config.node_rank
-    else:
-        backend, endpoint = "c10d", config.rdzv_endpoint
-        rdzv_configs["is_host"] = local_addr == socket.gethostbyname(parse_endpoint(endpoint)[0])
+    signals = {"signals_to_handle": config.signals_to_handle}
     return LaunchConfig(
         min_nodes=config.min_nodes,
         max_nodes=config.max_nodes,
         nproc_per_node=config.nproc,
-        run_id=f"{config.run_name}-attempt{attempt}",
-        rdzv_backend=backend,
-        rdzv_endpoint=endpoint,
-        rdzv_configs=rdzv_configs,
+        run_id=rdzv.name,
+        rdzv_backend=rdzv.backend,
+        rdzv_endpoint=rdzv.endpoint,
+        rdzv_configs=dict(rdzv.configs),
         max_restarts=0,  # this launcher restarts, with a fresh agent (see the module's docstring)
-        role="default",  # torchrun's --role
-        monitor_interval=0.1,
+        role=config.role,
+        monitor_interval=config.monitor_interval,
         # A function's workers fork from the preloaded fork server (distml.launch.forkserver),
         # a Python program's too (run_program); any other executable is exec'd.
         start_method="forkserver",
         local_addr=local_addr,
-        logs_specs=DefaultLogsSpecs(log_dir=str(config.run_dir / "logs" / f"attempt{attempt}")),
+        logs_specs=logs,
+        **(signals if "signals_to_handle" in _LAUNCH_FIELDS else {}),
         **_SHUTDOWN,
     )
 
 
-# What torch's elastic agent sets in each worker (its rank, world, rendezvous): these come from
-# the agent; the rest of the worker's environment from this process's, as a spawned one has it.
+# What torch's elastic agent sets in each worker (its rank, world, rendezvous), with every
+# TORCHELASTIC_* (RunLogsSpecs gives those the run's values): these come from the agent; the
+# rest of the worker's environment from this process's, as a spawned one has it.
 _AGENT_VARS = {
     "RANK",
     "GROUP_RANK",
@@ -156,10 +201,6 @@ _AGENT_VARS = {
     "MASTER_PORT",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
 }
-# What torchrun keeps across the restarts of one run, and this launcher's fresh agent per attempt
-# would reset: the restart count (0..K), the most restarts (K) and the run's id. These come from
-# the launcher (run_workers), not the agent, so a script that decides by them sees torchrun's.
-_RUN_VARS = {"TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID"}
 
 
 def _in_launch_environment(environ: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
@@ -168,9 +209,7 @@ def _in_launch_environment(environ: dict[str, str], fn: Callable[..., Any], *arg
     variables kept, and torch's threads as ``OMP_NUM_THREADS`` says, as a new process reads it."""
 
     agent = {
-        k: v
-        for k, v in os.environ.items()
-        if (k in _AGENT_VARS or k.startswith("TORCHELASTIC_")) and k not in _RUN_VARS
+        k: v for k, v in os.environ.items() if k in _AGENT_VARS or k.startswith("TORCHELASTIC_")
     }
     os.environ.clear()
     os.environ.update({**environ, **agent})
@@ -244,7 +283,8 @@ def run_workers(
 
     ``entrypoint`` is a picklable function or an executable path. Returns the workers' return
     values on this node, by global rank. Raises ConfigError, before any process starts, when
-    the node has GPUs but fewer than ``config.nproc``.
+    the node has GPUs but fewer than ``config.nproc``, or when another node of the rendezvous
+    has another rendezvous id.
     """
     if error := gpu_share_error(config.nproc):
         raise ConfigError(error)
@@ -255,35 +295,51 @@ def run_workers(
         # As torchrun does, but sharing the cores rather than taking one each: N workers with
         # torch's default of one thread per core would oversubscribe the CPU N times.
         worker_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
+    worker_env[_SIGNALS_ENV] = config.signals_to_handle
     if callable(entrypoint):
         start_fork_server()
+    logs = logs_specs(config)
     last: list[WorkerFailure] = []
-    for attempt in range(config.max_restarts + 1):
-        env = {
-            CONFIG_ENV: str(config_path.resolve()),
-            ATTEMPT_ENV: str(attempt),
-            "TORCHELASTIC_RESTART_COUNT": str(attempt),
-            "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
-            "TORCHELASTIC_RUN_ID": config.run_name,
-            **worker_env,
-        }
-        with _worker_env(env):
-            if callable(entrypoint):
-                target, target_args = _in_launch_environment, (dict(os.environ), entrypoint, *args)
-            else:
-                target, target_args = entrypoint, args
+    with closing(RendezvousStores()) as stores:
+        for attempt in range(config.max_restarts + 1):
+            env = {CONFIG_ENV: str(config_path.resolve()), ATTEMPT_ENV: str(attempt), **worker_env}
             try:
-                agent = launch_config(config, attempt, local_addr)
-                with _log_level(_AGENT_FAILURE_LOG, logging.CRITICAL):
-                    return elastic_launch(agent, target)(*target_args)
+                return _attempt(config, attempt, entrypoint, args, local_addr, stores, logs, env)
             except ChildFailedError as err:
                 last = _failures(err)
-        ranks = ", ".join(str(f.rank) for f in last)
-        if attempt < config.max_restarts:
-            causes = "\n".join(str(f) for f in last)
-            print(
-                f"distml: rank(s) {ranks} failed on attempt {attempt}; restarting "
-                f"({attempt + 1}/{config.max_restarts})\n{causes}",
-                file=sys.stderr,
-            )
+            ranks = ", ".join(str(f.rank) for f in last)
+            if attempt < config.max_restarts:
+                causes = "\n".join(str(f) for f in last)
+                print(
+                    f"distml: rank(s) {ranks} failed on attempt {attempt}; restarting "
+                    f"({attempt + 1}/{config.max_restarts})\n{causes}",
+                    file=sys.stderr,
+                )
     raise LaunchError(last, config.max_restarts + 1)
+
+
+def _attempt(
+    config: RunConfig,
+    attempt: int,
+    entrypoint: Callable[..., Any] | str,
+    args: tuple[Any, ...],
+    local_addr: str,
+    stores: RendezvousStores,
+    logs: RunLogsSpecs,
+    env: dict[str, str],
+) -> dict[int, Any]:
+    """One attempt of a run: a fresh agent, once the nodes agree on the rendezvous id."""
+    logs.run_env = {
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+        "TORCHELASTIC_RUN_ID": rendezvous_id(config),
+    }
+    with _worker_env(env):
+        if callable(entrypoint):
+            target, target_args = _in_launch_environment, (dict(os.environ), entrypoint, *args)
+        else:
+            target, target_args = entrypoint, args
+        rdzv = stores.agree(config, plan_rendezvous(config, attempt, local_addr), attempt)
+        agent = launch_config(config, rdzv, local_addr, logs)
+        with _log_level(_AGENT_FAILURE_LOG, logging.CRITICAL):
+            return elastic_launch(agent, target)(*target_args)

@@ -5,6 +5,7 @@ one JSON file per attempt, under OUT."""
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 out = Path(sys.argv[1])
@@ -13,6 +14,13 @@ seen = {k: v for k, v in os.environ.items() if k.startswith("TORCHELASTIC_") or 
     "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
 )}  # fmt: skip
 attempt = seen["TORCHELASTIC_RESTART_COUNT"]
-(out / f"env-{seen['RANK']}-{attempt}.json").write_text(json.dumps(seen))
+path = out / f"env-{seen['RANK']}-{attempt}.json"
+path.with_suffix(".tmp").write_text(json.dumps(seen))
+path.with_suffix(".tmp").replace(path)  # whole, before a launcher may stop this worker
 if seen["RANK"] == "1" and attempt == "0":
+    # The launcher stops every worker when one fails: fail once the others have written theirs.
+    world = int(seen["WORLD_SIZE"])
+    deadline = time.monotonic() + 120
+    while len(list(out.glob("env-*-0.json"))) < world and time.monotonic() < deadline:
+        time.sleep(0.01)
     sys.exit(3)  # the injected fault
