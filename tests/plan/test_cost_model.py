@@ -6,6 +6,7 @@ import pytest
 
 from distml.plan import DEVICES, Cluster, Layout, ModelSpec, Training, predict
 from distml.plan.cost_model import (
+    Device,
     activation_bytes_per_layer,
     bubble_fraction,
     days_to_train,
@@ -64,15 +65,17 @@ def test_prediction_of_a_layout():
     pred = predict(model, cluster, train, Layout.sharded(8, 1, tp=8, pp=1))
     assert pred.memory_bytes["total"] < 80e9 and not pred.notes
     assert 0 < pred.mfu <= 1 and pred.tokens_per_s > 0
-    assert pred.comm_bytes["tp_all_reduce"] > pred.comm_bytes["dp_all_reduce"]
+    dp_bytes = sum(b for kind, b in pred.comm_bytes.items() if kind.startswith("dp_"))
+    assert pred.comm_bytes["tp_all_reduce"] > dp_bytes
     assert pred.energy_j == pytest.approx(pred.step_time_s * 64 * 400)
     with pytest.raises(ValueError, match="= 32, but the cluster has 64"):
         predict(model, cluster, train, Layout(dp=4, tp=8))
 
 
 def test_data_parallel_traffic_hides_behind_backward_until_it_outlasts_it():
+    # The formulas of a device `distml bench` measured (no kernel-level model of it).
     model = ModelSpec(layers=4, hidden=1024, heads=8, seq=512, vocab=1000)
-    cluster = Cluster(DEVICES["a100"], devices=8)
+    cluster = Cluster(Device("measured", 80e9, 312e12, 300e9, 25e9, 5e-6, 400.0), devices=8)
     pred = predict(model, cluster, Training(global_batch=64), Layout(dp=8))
     assert pred.comm_exposed_s == pytest.approx(max(0.0, pred.comm_s - pred.compute_s * 2 / 3))
     assert pred.step_time_s == pytest.approx(pred.compute_s + pred.comm_exposed_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 from typing import Annotated
 
@@ -12,8 +13,10 @@ from rich.table import Table
 
 from distml.cli.messages import fail_usage
 from distml.layout import Layout
+from distml.plan.cluster_file import cluster_from_description, is_description
 from distml.plan.cost_model import DEVICES, Cluster, ModelSpec, Prediction, Training, predict
 from distml.plan.search import rank_layouts
+from distml.plan.spec import BYTES
 
 Count = Annotated[float, typer.Option(help="Accepts scientific notation, e.g. 7.5e9.")]
 
@@ -31,7 +34,25 @@ def _row(p: Prediction) -> dict:
         "bubble_fraction": p.bubble_fraction,
         "energy_j": p.energy_j,
         "notes": p.notes,
+        "assumptions": p.assumptions,
+        "breakdown": p.breakdown,
     }
+
+
+def _read_cluster(path: Path) -> Cluster:
+    """A described cluster (a named device and its links) or one ``distml bench`` measured."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        fail_usage(f"cluster file {path}: {exc}")
+    try:
+        if is_description(data):
+            return cluster_from_description(data)
+        from distml.plan.bench import read_cluster_file  # imports torch: only when needed
+
+        return read_cluster_file(path)
+    except ValueError as exc:
+        fail_usage(f"cluster file {path}: {exc}")
 
 
 def plan(
@@ -44,27 +65,40 @@ def plan(
     devices: Annotated[int, typer.Option(min=1)] = 1,
     device: Annotated[str, typer.Option(help=f"One of: {', '.join(DEVICES)}.")] = "a100",
     cluster_file: Annotated[
-        Path | None, typer.Option("--cluster", help="A cluster file from `distml bench`.")
+        Path | None,
+        typer.Option(
+            "--cluster",
+            help="A cluster file: one `distml bench` measured, or a description of a named "
+            "GPU cluster (device, devices, network, links).",
+        ),
     ] = None,
     params: Count = 0.0,
+    ffn_hidden: Annotated[int | None, typer.Option(min=1, help="MLP width (4h).")] = None,
+    kv_heads: Annotated[int | None, typer.Option(min=1, help="Key/value heads (all).")] = None,
+    gated_mlp: Annotated[bool, typer.Option(help="SwiGLU: three MLP matrices.")] = False,
+    flash_attention: Annotated[bool, typer.Option(help="A fused attention kernel.")] = False,
     micro_batch: Annotated[int, typer.Option(min=1)] = 1,
+    precision: Annotated[str, typer.Option(help="bf16, fp16 or fp32.")] = "bf16",
     tp: Annotated[int | None, typer.Option(min=1)] = None,
     pp: Annotated[int | None, typer.Option(min=1)] = None,
     dp: Annotated[int | None, typer.Option(min=1)] = None,
     zero: Annotated[int, typer.Option(min=0, max=3)] = 0,
+    chunks: Annotated[int, typer.Option(min=1, help="Interleaved pipeline chunks a rank.")] = 1,
     recompute: Annotated[str, typer.Option(help="none, selective or full.")] = "none",
+    sequence_parallel: Annotated[bool, typer.Option()] = False,
+    tp_overlap: Annotated[
+        bool, typer.Option(help="Tensor-parallel collectives overlapped with GEMMs.")
+    ] = False,
+    dp_overlap: Annotated[
+        bool, typer.Option(help="Data-parallel gradients reduced during the backward pass.")
+    ] = True,
     rank_by: Annotated[str, typer.Option(help="time or energy.")] = "time",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Predict memory, step time, traffic and energy of a layout (or rank all layouts)."""
 
     if cluster_file is not None:
-        from distml.plan.bench import read_cluster_file  # imports torch: only when needed
-
-        try:
-            cluster = read_cluster_file(cluster_file)
-        except ValueError as exc:
-            fail_usage(str(exc))
+        cluster = _read_cluster(cluster_file)
         devices, device = cluster.devices, cluster.device.name
     elif device not in DEVICES:
         fail_usage(f"unknown device {device!r}; choose one of: {', '.join(DEVICES)}")
@@ -72,16 +106,47 @@ def plan(
         cluster = Cluster(DEVICES[device], devices)
     if recompute not in ("none", "selective", "full") or rank_by not in ("time", "energy"):
         fail_usage("--recompute is none|selective|full and --rank-by is time|energy")
-    model = ModelSpec(layers, hidden, heads, seq, vocab, params or None)
-    training = Training(global_batch, micro_batch, recompute=recompute)  # type: ignore[arg-type]
+    if precision not in BYTES:
+        fail_usage(f"--precision is one of: {', '.join(BYTES)}")
+    if kv_heads is not None and heads % kv_heads:
+        fail_usage(f"--kv-heads {kv_heads} does not divide --heads {heads}")
+    model = ModelSpec(
+        layers,
+        hidden,
+        heads,
+        seq,
+        vocab,
+        params or None,
+        fused_attention=flash_attention,
+        ffn_hidden=ffn_hidden,
+        kv_heads=kv_heads,
+        gated_mlp=gated_mlp,
+    )
+    training = Training(
+        global_batch,
+        micro_batch,
+        precision,  # type: ignore[arg-type]
+        recompute=recompute,  # type: ignore[arg-type]
+        sequence_parallel=sequence_parallel,
+        dp_overlap=dp_overlap,
+        tp_overlap=tp_overlap,
+    )
     try:
         if tp or pp or dp:
             tp, pp = tp or 1, pp or 1
-            layout = Layout.sharded(dp or max(1, devices // (tp * pp)), zero, tp=tp, pp=pp)
             if heads % tp:
                 fail_usage(f"--tp {tp} does not divide --heads {heads}")
             if pp > layers:
                 fail_usage(f"--pp {pp} is more stages than --layers {layers}")
+            schedule = "interleaved" if chunks > 1 else "1f1b"
+            layout = Layout.sharded(
+                dp or max(1, devices // (tp * pp)),
+                zero,
+                tp=tp,
+                pp=pp,
+                schedule=schedule,
+                chunks=chunks,
+            )
             best, rejected = [predict(model, cluster, training, layout)], []
         else:
             best, rejected = rank_layouts(model, cluster, training, rank_by)
@@ -103,7 +168,7 @@ def plan(
         table.add_row(
             str(lay.data_parallel),
             str(lay.tp),
-            str(lay.pp),
+            f"{lay.pp}" + (f" x{lay.chunks}" if lay.chunks > 1 else ""),
             str(lay.zero),
             f"{p.memory_bytes['total'] / 1e9:.1f}",
             f"{p.step_time_s:.3f}",
@@ -111,9 +176,14 @@ def plan(
             f"{p.mfu:.2f}",
             "; ".join(p.notes),
         )
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if best and best[0].assumptions:
+        console.print("assumed (the first row's):")
+        for key, text in best[0].assumptions.items():
+            console.print(f"  {key}: {text}", highlight=False)
     if rejected:
-        Console().print(f"{len(rejected)} layouts do not fit in {device} memory")
+        console.print(f"{len(rejected)} layouts do not fit in {device} memory")
 
 
 def bench(

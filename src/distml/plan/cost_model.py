@@ -27,10 +27,12 @@ Formulas, each from where it is published:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from distml.layout import Layout
 from distml.plan.calibration import Calibration
+from distml.plan.devices import CHIPS, DEFAULT_NETWORK, NETWORKS, Chip, Network
+from distml.plan.gpu_step import gpu_step
 from distml.plan.spec import BYTES, ModelSpec, Training, bubble_fraction, stage_params
 
 
@@ -43,16 +45,27 @@ class Device:
     inter_bw: float  # bytes/s per device between nodes (one direction)
     latency_s: float
     power_w: float
+    # A named GPU's kernel-level model (:mod:`distml.plan.devices`); None for a device that
+    # ``distml bench`` measured, whose step the formulas (or its calibration) give.
+    chip: Chip | None = None
 
 
-# Vendor datasheet figures: A100 SXM 80 GB (312 TFLOP/s bf16, NVLink 600 GB/s total = 300 each
-# way, 400 W), H100 SXM (989 TFLOP/s dense bf16, NVLink 900 GB/s = 450 each way, 700 W),
-# H200 SXM (H100 compute, 141 GB, 700 W). Inter-node: one 200 Gb/s (A100) or 400 Gb/s NIC per GPU.
-DEVICES: dict[str, Device] = {
-    "a100": Device("a100", 80e9, 312e12, 300e9, 25e9, 5e-6, 400.0),
-    "h100": Device("h100", 80e9, 989e12, 450e9, 50e9, 5e-6, 700.0),
-    "h200": Device("h200", 141e9, 989e12, 450e9, 50e9, 5e-6, 700.0),
-}
+def named_device(chip: Chip) -> Device:
+    """A :class:`Device` for a published GPU, its links those of its usual node."""
+    net = NETWORKS[DEFAULT_NETWORK[chip.name]]
+    return Device(
+        chip.name,
+        chip.memory_bytes,
+        chip.peak("bf16"),
+        net.nvlink_bw,
+        net.nic_bw,
+        net.intra_latency_s,
+        chip.power_w,
+        chip,
+    )
+
+
+DEVICES: dict[str, Device] = {name: named_device(chip) for name, chip in CHIPS.items()}
 
 
 @dataclass(frozen=True)
@@ -62,6 +75,16 @@ class Cluster:
     devices_per_node: int = 8
     # Measured pieces of one model's step on these devices (``distml bench --config ...``).
     calibration: Calibration | None = None
+    # The links of a named GPU's nodes; None: the chip's usual node (a DGX of its generation).
+    network: Network | None = None
+    name: str = ""
+
+    def links(self) -> Network:
+        chip = self.device.chip
+        net = self.network or NETWORKS[DEFAULT_NETWORK[chip.name if chip else "a100"]]
+        if net.gpus_per_node != self.devices_per_node:
+            net = replace(net, gpus_per_node=self.devices_per_node)
+        return net
 
 
 @dataclass
@@ -79,6 +102,9 @@ class Prediction:
     mfu: float
     energy_j: float
     notes: list[str] = field(default_factory=list)
+    # What a named GPU's prediction assumed (efficiencies, overlap, placement), and its parts.
+    assumptions: dict[str, str] = field(default_factory=dict)
+    breakdown: dict[str, float] = field(default_factory=dict)
 
 
 def optimizer_bytes_per_param(training: Training) -> float:
@@ -114,7 +140,8 @@ def activation_bytes_per_layer(model: ModelSpec, training: Training, tp: int) ->
     Per ``s*b*h`` values: the two norms' inputs and outputs (4 tensors, repeated on every
     tensor rank unless sequence parallelism splits them); q, k, v, the attention output and the
     MLP's input and output of GeLU (1 + 1 + 1 + 1 + 4 + 4 = 12, split over tensor ranks; a
-    fused kernel's output is the attention output, the output projection's input); one byte of
+    fused kernel's output is the attention output, the output projection's input; fewer
+    key/value heads shrink k and v, a gated MLP keeps three ffn-wide tensors); one byte of
     dropout mask after attention and after the MLP. Per ``a*s*s*b`` (unfused only): the softmax
     output, its dropout mask and output.
     """
@@ -125,7 +152,12 @@ def activation_bytes_per_layer(model: ModelSpec, training: Training, tp: int) ->
         return e * s * b * h / (t if sp else 1)
     masks = 2 if model.dropout else 0
     replicated = 4 * e + masks
-    split = 12 * e
+    # q, k, v, the attention output; the MLP's activation input and output (GeLU: 4h each;
+    # a gated MLP keeps its two projections and their product)
+    h = model.hidden
+    attention_values = 2 + 2 * model.kv_hidden / h
+    mlp_values = (3 if model.gated_mlp else 2) * model.ffn / h
+    split = (attention_values + mlp_values) * e
     per_token = (replicated + split) / t if sp else replicated + split / t
     if model.fused_attention:  # the kernel keeps the rows' fp32 log-sum-exp, not the scores
         attention = 4 * a * s * b / t
@@ -167,11 +199,15 @@ def activation_bytes(model: ModelSpec, training: Training, layout: Layout, m: in
 
 
 def training_flops(model: ModelSpec, batch: int, recompute: str) -> float:
-    """Model FLOPs of one step over ``batch`` sequences (Narayanan et al. 2021, eq. 3)."""
-    s, n, h, v = model.seq, model.layers, model.hidden, model.vocab
-    if recompute == "full":
-        return 96 * batch * s * n * h**2 * (1 + s / (6 * h) + v / (16 * n * h))
-    return 72 * batch * s * n * h**2 * (1 + s / (6 * h) + v / (12 * n * h))
+    """FLOPs of one step over ``batch`` sequences (Narayanan et al. 2021, eq. 3): the blocks'
+    matrices and the full s x s attention, three passes (four with full recomputation), and
+    the output layer's three. For the GPT that is ``72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h))``,
+    or ``96*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h))`` recomputing; other shapes (a wider or gated
+    MLP, fewer key/value heads) count their own matrices."""
+    s, h = model.seq, model.hidden
+    layer = 2 * model.layer_weights + 4 * s * h  # forward FLOPs a token
+    passes = 4 if recompute == "full" else 3
+    return batch * s * (passes * model.layers * layer + 3 * 2 * h * model.vocab)
 
 
 def ring(collective: str, nbytes: float, ranks: int) -> float:
@@ -179,6 +215,25 @@ def ring(collective: str, nbytes: float, ranks: int) -> float:
         return 0.0
     factor = 2 * (ranks - 1) / ranks if collective == "all_reduce" else (ranks - 1) / ranks
     return factor * nbytes
+
+
+def _formula_traffic(
+    model: ModelSpec, training: Training, layout: Layout, m: int
+) -> dict[str, float]:
+    """Bytes each device sends in a step, by collective, as the formulas count them."""
+    p_bytes = BYTES[training.precision]
+    d = layout.data_parallel
+    local_params = max(stage_params(model, layout, i) for i in range(layout.pp))
+    grad_bytes = p_bytes * local_params
+    dp_collective = {0: "all_reduce", 1: "all_reduce", 2: "reduce_scatter", 3: "reduce_scatter"}
+    comm = {f"dp_{dp_collective[layout.zero]}": ring(dp_collective[layout.zero], grad_bytes, d)}
+    if layout.zero >= 1:
+        comm["dp_all_gather"] = ring("all_gather", grad_bytes, d) * (2 if layout.zero == 3 else 1)
+    act = p_bytes * training.micro_batch * model.seq * model.hidden
+    # Megatron TP: 2 all-reduces forward and 2 backward per layer and micro-batch.
+    comm["tp_all_reduce"] = 4 * model.layers / layout.pp * m * ring("all_reduce", act, layout.tp)
+    comm["pp_send_recv"] = 2 * m * act if layout.pp > 1 else 0.0
+    return {k: v for k, v in comm.items() if v}
 
 
 def predict(model: ModelSpec, cluster: Cluster, training: Training, layout: Layout) -> Prediction:
@@ -199,7 +254,6 @@ def predict(model: ModelSpec, cluster: Cluster, training: Training, layout: Layo
         )
     m = per_replica // training.micro_batch
     device = cluster.device
-    p_bytes = BYTES[training.precision]
 
     states = [
         _state_bytes(stage_params(model, layout, i), layout, training) for i in range(layout.pp)
@@ -207,38 +261,37 @@ def predict(model: ModelSpec, cluster: Cluster, training: Training, layout: Layo
     memory = max(states, key=lambda state: sum(state.values()))
     memory["activations"] = activation_bytes(model, training, layout, m)
     memory["total"] = sum(memory.values())
-    layers_here = model.layers / layout.pp
 
     flops = training_flops(model, training.global_batch, training.recompute)
-    compute_s = flops / cluster.devices / device.peak_flops
-    bubble = bubble_fraction(layout, m)
-
-    local_params = max(stage_params(model, layout, i) for i in range(layout.pp))
-    grad_bytes = p_bytes * local_params
-    dp_collective = {0: "all_reduce", 1: "all_reduce", 2: "reduce_scatter", 3: "reduce_scatter"}
-    comm = {f"dp_{dp_collective[layout.zero]}": ring(dp_collective[layout.zero], grad_bytes, d)}
-    if layout.zero >= 1:
-        comm["dp_all_gather"] = ring("all_gather", grad_bytes, d) * (2 if layout.zero == 3 else 1)
-    act = p_bytes * training.micro_batch * model.seq * model.hidden
-    # Megatron TP: 2 all-reduces forward and 2 backward per layer and micro-batch.
-    comm["tp_all_reduce"] = 4 * layers_here * m * ring("all_reduce", act, layout.tp)
-    comm["pp_send_recv"] = 2 * m * act if layout.pp > 1 else 0.0
-    comm = {k: v for k, v in comm.items() if v}
-
-    tp_inside_node = layout.tp <= cluster.devices_per_node
-    tp_bw = device.intra_bw if tp_inside_node else device.inter_bw
-    dp_bw = device.intra_bw if layout.world_size <= cluster.devices_per_node else device.inter_bw
-    # TP all-reduces and pipeline sends sit on the critical path. Data-parallel gradient traffic
-    # is bucketed and overlaps the backward pass (2 of the 3 passes, 3 of 4 with recomputation);
-    # only what outlasts it is exposed.
-    critical_s = comm.get("tp_all_reduce", 0.0) / tp_bw + comm.get("pp_send_recv", 0.0) / dp_bw
-    dp_s = sum(v for k, v in comm.items() if k.startswith("dp_")) / dp_bw
-    backward_s = compute_s * (0.75 if training.recompute == "full" else 2 / 3)
-    dp_exposed_s = max(0.0, dp_s - backward_s)
-    comm_s = critical_s + dp_s
-    exposed_s = critical_s + dp_exposed_s
-    step = (compute_s + exposed_s) / (1 - bubble)
-    notes = []
+    notes: list[str] = []
+    assumptions: dict[str, str] = {}
+    breakdown: dict[str, float] = {}
+    if device.chip is not None:  # a published GPU: kernels by shape, collectives by link
+        gpu = gpu_step(device.chip, cluster.links(), model, training, layout, m)
+        compute_s, comm_s, exposed_s, step = gpu.compute_s, gpu.comm_s, gpu.exposed_s, gpu.step_s
+        comm = gpu.traffic
+        bubble = gpu.bubble_s / step
+        peak = device.chip.peak(training.precision)
+        assumptions, breakdown = gpu.assumptions, gpu.breakdown
+    else:
+        peak = device.peak_flops
+        compute_s = flops / cluster.devices / peak
+        bubble = bubble_fraction(layout, m)
+        comm = _formula_traffic(model, training, layout, m)
+        tp_inside_node = layout.tp <= cluster.devices_per_node
+        tp_bw = device.intra_bw if tp_inside_node else device.inter_bw
+        one_node = layout.world_size <= cluster.devices_per_node
+        dp_bw = device.intra_bw if one_node else device.inter_bw
+        # TP all-reduces and pipeline sends sit on the critical path. Data-parallel gradient
+        # traffic is bucketed and overlaps the backward pass (2 of the 3 passes, 3 of 4 with
+        # recomputation); only what outlasts it is exposed.
+        critical_s = comm.get("tp_all_reduce", 0.0) / tp_bw + comm.get("pp_send_recv", 0.0) / dp_bw
+        dp_s = sum(v for k, v in comm.items() if k.startswith("dp_")) / dp_bw
+        backward_s = compute_s * (0.75 if training.recompute == "full" else 2 / 3)
+        dp_exposed_s = max(0.0, dp_s - backward_s)
+        comm_s = critical_s + dp_s
+        exposed_s = critical_s + dp_exposed_s
+        step = (compute_s + exposed_s) / (1 - bubble)
     calibration = cluster.calibration
     if calibration is not None and calibration.describes(model, training, cluster.devices):
         measured = calibration.step(model, training, layout, m)
@@ -264,9 +317,11 @@ def predict(model: ModelSpec, cluster: Cluster, training: Training, layout: Layo
         bubble_fraction=bubble,
         step_time_s=step,
         tokens_per_s=tokens / step,
-        mfu=model_flops / (step * cluster.devices * device.peak_flops),
+        mfu=model_flops / (step * cluster.devices * peak),
         energy_j=step * cluster.devices * device.power_w,
         notes=notes,
+        assumptions=assumptions,
+        breakdown=breakdown,
     )
 
 

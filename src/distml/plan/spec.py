@@ -20,25 +20,52 @@ class ModelSpec:
     heads: int
     seq: int
     vocab: int
-    params: float | None = None  # None: 12*l*h^2 + V*h (blocks and embedding)
-    # How the model is written, as far as memory goes. The defaults are Megatron-LM's GPT, the
-    # model of the papers: dropout, unfused attention, vocabulary split over tensor ranks, and
-    # the output layer tied to the input embedding.
+    params: float | None = None  # None: the blocks' weights and the embedding(s)
+    # How the model is written. The defaults are Megatron-LM's GPT, the model of the papers:
+    # dropout, unfused attention, vocabulary split over tensor ranks, the output layer tied to
+    # the input embedding, an MLP of 4h with biases, as many key/value heads as query heads.
     dropout: bool = True
     fused_attention: bool = False
     vocab_parallel: bool = True
     embedding_params: float | None = None  # on the first stage; None: V*h
+    ffn_hidden: int | None = None  # None: 4h
+    kv_heads: int | None = None  # grouped-query attention; None: as many as heads
+    gated_mlp: bool = False  # SwiGLU: three h x ffn weights instead of two
+    tied_embeddings: bool = True
+    bias: bool = True
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
+
+    @property
+    def kv_hidden(self) -> int:
+        """Width of the keys (and of the values): kv heads x head dimension."""
+        return self.hidden * (self.kv_heads or self.heads) // self.heads
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
+    @property
+    def layer_weights(self) -> float:
+        """One block's matrices: q and the output projection (h x h each), k and v, the MLP."""
+        h = self.hidden
+        return 2 * h * h + 2 * h * self.kv_hidden + self.mlp_matrices * h * self.ffn
 
     @property
     def n_params(self) -> float:
         if self.params is not None:
             return self.params
-        return 12 * self.layers * self.hidden**2 + self.vocab * self.hidden
+        embeddings = 1 if self.tied_embeddings else 2
+        return self.layers * self.layer_weights + embeddings * self.vocab * self.hidden
 
     @property
     def layer_params(self) -> float:
-        """One block: four h x h and two h x 4h weights, their biases and two norms."""
-        return 12 * self.hidden**2 + 13 * self.hidden
+        """One block: its matrices, their biases and two norms (12h^2 + 13h for the GPT)."""
+        h, f = self.hidden, self.ffn
+        biases = (2 * h + 2 * self.kv_hidden + (self.mlp_matrices - 1) * f + h) if self.bias else 0
+        return self.layer_weights + biases + 4 * h
 
     @property
     def edge_params(self) -> tuple[float, float]:
@@ -57,6 +84,16 @@ class Training:
     optimizer: Literal["adam", "sgd"] = "adam"
     recompute: Recompute = "none"
     sequence_parallel: bool = False
+    # Which communication a GPU step hides behind computation (the device model only):
+    # data-parallel gradients during the backward pass (DDP buckets, FSDP, Megatron's
+    # --overlap-grad-reduce) or after it; tensor-parallel collectives behind the GEMMs that
+    # produce or consume them (Megatron's --tp-comm-overlap, torchtitan's AsyncTP) or not.
+    dp_overlap: bool = True
+    tp_overlap: bool = False
+    grad_reduce_fp32: bool = False  # gradients travel as fp32 (main grads), not as parameters
+    # Megatron's weight-gradient GEMMs accumulate into the fp32 gradients; elsewhere (DeepSpeed,
+    # FSDP keeping gradients across micro-batches) each micro-batch adds its own in HBM.
+    fused_grad_accumulation: bool = True
 
 
 def stage_params(model: ModelSpec, layout: Layout, stage: int) -> float:
