@@ -35,9 +35,9 @@ from _common import machine_info, print_table, write_json
 from safetensors.torch import save_model
 
 from distml.jobs.replicas import ReplicaCommand, ReplicaSet
-from distml.launch.elastic import free_port
 from distml.models import DigitsCNN
 from distml.net import TOKEN_ENV
+from distml.net.ports import free_port
 
 TOKEN = "benchmark-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from distml.launch.elastic import free_port
+from distml.net.ports import free_port
 
 pytestmark = pytest.mark.distributed  # every test starts processes
 

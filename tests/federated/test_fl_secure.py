@@ -17,8 +17,8 @@ from distml.federated.secagg import SecAggClient, SecAggParams
 from distml.federated.secure_aggregation import SecureAggregation
 from distml.federated.server import FederatedServer, ServerConfig
 from distml.federated.strategy import LocalConfig, make_strategy
-from distml.launch.elastic import free_port
 from distml.net import BackgroundServer
+from distml.net.ports import free_port
 
 NAMES = ("a", "b", "c", "d")
 TOKENS = {name: f"{name}-secure-token-0123456789" for name in NAMES}

@@ -24,8 +24,8 @@ from distml.data import digits
 from distml.federated.hub import Hub, HubConfig
 from distml.federated.hub_app import adapters_of, create_hub_app
 from distml.federated.task import build_model, evaluate, get_params, set_params, train_local
-from distml.launch.elastic import free_port
 from distml.net import BackgroundServer, decode_tensors, encode_tensors
+from distml.net.ports import free_port
 
 TOKENS = {name: f"{name}-token-0123456789abcdef" for name in ("alice", "bob", "mallory")}
 VAL, TRAIN = digits("val"), digits("train")

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from conftest import EXAMPLES, distml_cli, distml_invoke, wait_for
-from distml.launch.elastic import free_port
+from distml.net.ports import free_port
 
 TOKEN = "standalone-token-0123456789"
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -27,10 +27,10 @@ from safetensors.torch import save_model
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from distml.launch.elastic import free_port
 from distml.models import DigitsCNN
 from distml.models.registry import TensorSpec, model_entry
 from distml.net import TOKEN_ENV, BackgroundServer
+from distml.net.ports import free_port
 from distml.serve.grpc_service import GrpcService, decode_infer_request
 from distml.serve.model import ServedModel, load_served_model
 from distml.serve.protocol import ProtocolError

@@ -25,9 +25,9 @@ from typer.testing import CliRunner
 
 from conftest import child_pids, cmdline
 from distml.cli.serve import serve_app
-from distml.launch.elastic import free_port
 from distml.models import DigitsCNN
 from distml.net import TOKEN_ENV
+from distml.net.ports import free_port
 
 TOKEN = "serving-cli-token-0123456789"
 

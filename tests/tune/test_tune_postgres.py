@@ -15,7 +15,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from distml.launch.elastic import free_port
+from distml.net.ports import free_port
 from distml.tune import open_storage, tune
 from distml.tune.liveness import WORKER
 
