@@ -13,6 +13,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 
 from conftest import examples
 from distml.net import tensors as wire
@@ -93,6 +95,59 @@ def test_any_payload_round_trips_bit_for_bit(payload, meta):
     for name, sent in payload.items():
         assert (got[name].dtype, got[name].shape) == (sent.dtype, sent.shape)
         assert raw_bytes(got[name]) == raw_bytes(sent)
+
+
+@settings(FAST, max_examples=examples(200))
+@given(st.dictionaries(tensor_names, tensors(), max_size=5), metadata)
+def test_the_format_is_safetensors_own_both_ways(payload, meta):
+    theirs = safetensors_load(encode_tensors(payload, meta or None))
+    ours, got_meta = decode_tensors(safetensors_save(payload, metadata=meta or None))
+    assert got_meta == meta
+    for got in (theirs, ours):
+        assert set(got) == set(payload)
+        for name, sent in payload.items():
+            assert (got[name].dtype, got[name].shape) == (sent.dtype, sent.shape)
+            assert raw_bytes(got[name]) == raw_bytes(sent)
+
+
+def test_a_writable_body_is_decoded_in_place_and_bytes_are_copied():
+    sent = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.int8)}
+    body = encode_tensors(sent)
+    buffer = bytearray(body)
+    got, _ = decode_tensors(buffer)
+    got["w"].mul_(2)  # a view of the buffer: the receiver's to keep or change
+    assert decode_tensors(buffer)[0]["w"].equal(sent["w"] * 2)
+    copied, _ = decode_tensors(body)
+    copied["w"].zero_()  # the caller's bytes are immutable: the tensors own a copy
+    assert decode_tensors(body)[0]["w"].equal(sent["w"])
+    # A tensor that does not start at a multiple of its item size (a payload not written
+    # by safetensors) is copied into aligned memory, with the same values.
+    header = {
+        "a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]},
+    }
+    data = b"xyz" + raw_bytes(torch.tensor([1.5, -2.0]))
+    got, _ = decode_tensors(bytearray(body_of(header, data)))
+    assert got["b"].tolist() == [1.5, -2.0] and got["b"].data_ptr() % 4 == 0
+
+
+def test_a_header_decoded_before_is_checked_again_against_each_body():
+    body = encode_tensors({"w": torch.ones(4), "b": torch.zeros(2, dtype=torch.int8)})
+    assert decode_tensors(body)[0]["w"].tolist() == [1.0] * 4  # its layout is now known
+    with pytest.raises(TensorPayloadError):
+        decode_tensors(body[:-1])  # the same header over one byte too few
+    with pytest.raises(TensorPayloadError):
+        decode_tensors(body + b"x")  # or one too many
+    got, meta = decode_tensors(encode_tensors({"w": torch.ones(4)}, {"k": "v"}))
+    meta["k"] = "changed"  # a caller's copy: the next decoding is not changed by it
+    assert decode_tensors(encode_tensors({"w": torch.ones(4)}, {"k": "v"}))[1] == {"k": "v"}
+
+
+def test_only_what_safetensors_can_hold_is_encoded():
+    with pytest.raises(TensorPayloadError, match="complex128"):
+        encode_tensors({"z": torch.zeros(2, dtype=torch.complex128)})
+    strided = torch.arange(12.0).reshape(3, 4).t()  # not contiguous: written in its own order
+    assert decode_tensors(encode_tensors({"t": strided}))[0]["t"].equal(strided)
 
 
 @settings(FAST, max_examples=examples(200))
@@ -201,10 +256,10 @@ def test_a_forged_header_decodes_to_what_it_says_or_is_refused(forged):
 
 
 def test_a_declared_two_gigabyte_tensor_is_refused_before_anything_is_allocated(monkeypatch):
-    def must_not_parse(_body: bytes) -> None:
-        raise AssertionError("a forged header reached the safetensors parser")
+    def must_not_build(*_args: object) -> None:
+        raise AssertionError("a forged header reached the step that makes the tensors")
 
-    monkeypatch.setattr(wire, "load", must_not_parse)
+    monkeypatch.setattr(wire, "_views", must_not_build)
     huge = {"t": {"dtype": "F32", "shape": [2**29], "data_offsets": [0, 2**31]}}
     with pytest.raises(TensorPayloadError, match="2147483648"):
         decode_tensors(body_of(huge, b"\0" * 16))

@@ -31,6 +31,7 @@ from distml.launch.children import ChildProcess, stop_all
 from distml.launch.elastic import ATTEMPT_ENV, LaunchError, WorkerFailure
 from distml.net import TOKEN_ENV, ServiceClient, ServiceError, decode_tensors
 from distml.net.ports import listening_socket
+from distml.ps.shard import PROCESS_ENV
 from distml.ps.worker import SERVERS_ENV
 from distml.telemetry.console import print_summary
 from distml.telemetry.metrics_stream import write_metrics
@@ -102,7 +103,7 @@ def run_ps_job(config: RunConfig, argv: list[str]) -> dict[str, Any]:
                     run_dir / "logs" / f"ps-shard-{k}.log",
                     name=f"shard {k}",
                     argv=shard_argv(config_path, port, snapshot),
-                    env={TOKEN_ENV: token},
+                    env={TOKEN_ENV: token, **PROCESS_ENV},
                     url=f"http://127.0.0.1:{port}",
                     listen=listen,
                 )

@@ -5,6 +5,13 @@ Every route needs the bearer token. Workers identify themselves with ``worker=RA
 travel as safetensors bodies; a push or an initialisation that does not fit the shard is answered
 4xx and changes nothing. A push whose optimizer step fails is answered 503 and counted nowhere:
 the client sends it again.
+
+A worker's step is one exchange, ``POST /v1/step``: its gradient goes in, and the answer is the
+parameters it trains on next, once the consistency rule lets it read them (a long poll: the
+request waits on the shard, up to ``wait_s``). ``/v1/push`` and ``/v1/params`` are the same two
+halves on their own. Under ASP and SSP the step may also claim the worker's next batch
+(``claim_epoch``, ``claim_position``, ``claim_batches``, as ``/v1/claim`` takes them), once the
+parameters are readable: the moment the worker would have asked, without a request of its own.
 """
 
 from __future__ import annotations
@@ -17,16 +24,9 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
-from distml.net import (
-    bounded_json,
-    create_app,
-    decode_tensors,
-    encode_tensors,
-    octet_stream_body,
-    read_body,
-)
+from distml.net import bounded_json, create_app, decode_tensors, octet_stream_body
 from distml.net.tensors import TensorPayloadError
 from distml.ps.optimizer_spec import MAX_SPEC_BYTES
 from distml.ps.shard import (
@@ -41,6 +41,11 @@ from distml.ps.snapshot import load_snapshot, save_snapshot
 SAFETENSORS = "application/octet-stream"
 Worker = Annotated[int, Query(ge=0, lt=100_000)]
 Count = Annotated[int, Query(ge=0, le=2**62)]
+Wait = Annotated[float, Query(gt=0, le=60, description="seconds a long poll may wait")]
+Generation = Annotated[str, Query(max_length=64)]
+Epoch = Annotated[int, Query(ge=0, le=2**31)]
+Position = Annotated[int, Query(ge=0, le=2**40)]
+Batches = Annotated[int, Query(ge=1, le=2**40)]
 SPEC_DEPTH = 4  # {"groups": [{"betas": [...]}]}
 log = logging.getLogger("distml.ps")
 
@@ -69,7 +74,7 @@ def create_shard_app(
 
     async def health() -> dict[str, Any]:
         async with shard.lock:  # what a pull does: read every parameter under the lock
-            body = encode_tensors(dict(shard.params)) if shard.initialized else b""
+            body = shard.encoded_params() if shard.initialized else b""
         return {"version": shard.version, "param_bytes": len(body)}
 
     @asynccontextmanager
@@ -103,12 +108,54 @@ def create_shard_app(
                 log.exception("cannot write the snapshot %s", snapshot_path)
 
     async def tensors_of(request: Request) -> tuple[dict, dict[str, str], int]:
-        body = await read_body(request, max_body_bytes)
+        body = await read_buffer(request, max_body_bytes)
         try:
-            tensors, meta = decode_tensors(body)
+            tensors, meta = decode_tensors(body)  # views of the buffer: no copy
         except TensorPayloadError as exc:
             raise HTTPException(400, str(exc)) from None
         return tensors, meta, len(body)
+
+    async def pushed(
+        request: Request,
+        worker: int,
+        step: int,
+        version: int,
+        pull: tuple[float, str] | None = None,
+    ) -> tuple[dict[str, Any], tuple[bytes, int, float] | None]:
+        """The push of ``request`` (and, with ``pull=(wait_s, generation)``, the pull after
+        it), with a push's errors as HTTP answers and its metrics counted."""
+        grads, _, nbytes = await tensors_of(request)
+        try:
+            if pull is None:
+                answer, got = await shard.push(worker, step, version, grads, nbytes), None
+            else:
+                answer, got = await shard.push_pull(worker, step, version, grads, nbytes, *pull)
+        except PushRejected as exc:
+            metrics.pushes.labels("rejected").inc()
+            raise HTTPException(400, str(exc)) from None
+        except NotInitialized as exc:
+            raise HTTPException(409, str(exc)) from None
+        except StepFailed as exc:
+            metrics.pushes.labels("failed").inc()
+            raise HTTPException(503, str(exc)) from None
+        metrics.pushes.labels(answer["status"]).inc()
+        metrics.bytes.labels("pushed").inc(nbytes)
+        metrics.version.set(shard.version)
+        if shard.apply_s:
+            metrics.apply.observe(shard.apply_s[-1])
+        await snapshot_if_due()
+        return answer, got
+
+    def params_response(got: tuple[bytes, int, float], headers: dict[str, str]) -> Response:
+        body, version, waited = got
+        shard.bytes_pulled += len(body)
+        metrics.bytes.labels("pulled").inc(len(body))
+        headers |= {
+            "X-Version": str(version),
+            "X-Generation": shard.generation,
+            "X-Wait-S": f"{waited:.6f}",
+        }
+        return Response(body, media_type=SAFETENSORS, headers=headers)
 
     @app.post("/v1/register")
     async def register(worker: Worker) -> dict[str, Any]:
@@ -137,52 +184,57 @@ def create_shard_app(
 
     @app.post("/v1/push", openapi_extra=push_body)
     async def push(request: Request, worker: Worker, step: Count, version: Count) -> dict[str, Any]:
-        grads, _, nbytes = await tensors_of(request)
-        try:
-            answer = await shard.push(worker, step, version, grads, nbytes)
-        except PushRejected as exc:
-            metrics.pushes.labels("rejected").inc()
-            raise HTTPException(400, str(exc)) from None
-        except NotInitialized as exc:
-            raise HTTPException(409, str(exc)) from None
-        except StepFailed as exc:
-            metrics.pushes.labels("failed").inc()
-            raise HTTPException(503, str(exc)) from None
-        metrics.pushes.labels(answer["status"]).inc()
-        metrics.bytes.labels("pushed").inc(nbytes)
-        metrics.version.set(shard.version)
-        if shard.apply_s:
-            metrics.apply.observe(shard.apply_s[-1])
-        await snapshot_if_due()
+        answer, _ = await pushed(request, worker, step, version)
         return {**answer, "generation": shard.generation}
+
+    step_body = octet_stream_body(
+        max_body_bytes, "the gradients of the shard's parameters; the answer is the parameters"
+    )
+
+    @app.post("/v1/step", openapi_extra=step_body)
+    async def push_pull(
+        request: Request,
+        worker: Worker,
+        step: Count,
+        version: Count,
+        wait_s: Wait = 10.0,
+        generation: Generation = "",
+        claim_epoch: Epoch | None = None,
+        claim_position: Position | None = None,
+        claim_batches: Batches | None = None,
+    ) -> Response:
+        """A push, answered with the parameters to read next (safetensors, 200) once the rule
+        lets ``worker`` read them; 202 with the push's answer (JSON) if it could not read within
+        ``wait_s``: the push counted, and ``GET /v1/params`` reads on. With a claim, its batch
+        is the header ``X-Claim`` (``none`` once the epoch is used up); a claim this shard
+        refuses is left out, for ``/v1/claim`` to answer."""
+        claim = (claim_epoch, claim_position, claim_batches)
+        if any(v is not None for v in claim) and None in claim:
+            raise HTTPException(422, "a claim needs claim_epoch, claim_position and claim_batches")
+        answer, got = await pushed(request, worker, step, version, (wait_s, generation))
+        headers = {"X-Status": answer["status"], "X-Read-Version": str(answer["read_version"])}
+        if got is None:
+            return JSONResponse({**answer, "generation": shard.generation}, 202, headers)
+        if claim_epoch is not None and shard.settings.consistency != "bsp":
+            try:
+                batch = await shard.claim(worker, claim_epoch, claim_position, claim_batches)
+                headers["X-Claim"] = "none" if batch is None else str(batch)
+            except ClaimRejected:
+                pass
+        return params_response(got, headers)
 
     @app.get("/v1/params")
     async def params(
-        worker: Worker,
-        min_version: Count = 0,
-        wait_s: Annotated[float, Query(gt=0, le=60)] = 10.0,
-        generation: Annotated[str, Query(max_length=64)] = "",
+        worker: Worker, min_version: Count = 0, wait_s: Wait = 10.0, generation: Generation = ""
     ) -> Response:
         got = await shard.pull(worker, min_version, wait_s, generation)
         if got is None:
             raise HTTPException(425, "not readable yet under the consistency rule; ask again")
-        tensors, version, waited = got
-        body = await asyncio.to_thread(encode_tensors, tensors)
-        shard.bytes_pulled += len(body)
-        metrics.bytes.labels("pulled").inc(len(body))
-        headers = {
-            "X-Version": str(version),
-            "X-Generation": shard.generation,
-            "X-Wait-S": f"{waited:.6f}",
-        }
-        return Response(body, media_type=SAFETENSORS, headers=headers)
+        return params_response(got, {})
 
     @app.post("/v1/claim")
     async def claim(
-        worker: Worker,
-        epoch: Annotated[int, Query(ge=0, le=2**31)],
-        position: Annotated[int, Query(ge=0, le=2**40)],
-        batches: Annotated[int, Query(ge=1, le=2**40)],
+        worker: Worker, epoch: Epoch, position: Position, batches: Batches
     ) -> dict[str, Any]:
         """The next training batch of ``epoch`` for ``worker`` (ASP and SSP)."""
         if shard.settings.consistency == "bsp":
@@ -197,8 +249,7 @@ def create_shard_app(
         """The parameters now, for an observer that is not a worker (the final export)."""
         if not shard.initialized:
             raise HTTPException(409, "the shard has no parameters yet")
-        tensors, version = await shard.read()
-        body = await asyncio.to_thread(encode_tensors, tensors)
+        body, version = await shard.read()
         return Response(body, media_type=SAFETENSORS, headers={"X-Version": str(version)})
 
     @app.post("/v1/heartbeat")
@@ -236,3 +287,20 @@ def create_shard_app(
         return shard.stats()
 
     return app
+
+
+async def read_buffer(request: Request, limit: int) -> bytearray:
+    """The request body in a ``bytearray`` (that :func:`decode_tensors` views in place), with
+    :func:`distml.net.read_body`'s limits: 413 once it passes ``limit`` bytes, the declared
+    length checked first. Its chunks are gathered as they come, so that a length declared
+    and never sent costs nothing."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise HTTPException(413, f"body over the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"body over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return bytearray().join(chunks)

@@ -202,7 +202,7 @@ def build_optimizer(spec: Any, params: dict[str, torch.Tensor]) -> torch.optim.O
     for group in spec["groups"]:
         mine = [params[n] for n in group["params"] if n in params]
         if mine:
-            groups.append({**group, "params": mine})
+            groups.append({**group, **_implementation(group), "params": mine})
     if not groups:
         raise ValueError("the optimizer names none of this shard's parameters")
     for param in (p for g in groups for p in g["params"]):
@@ -213,6 +213,15 @@ def build_optimizer(spec: Any, params: dict[str, torch.Tensor]) -> torch.optim.O
         return cls(groups)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(f"cannot build {spec['name']}: {exc}") from None
+
+
+def _implementation(group: dict[str, Any]) -> dict[str, Any]:
+    """Where the worker left the choice to torch, the multi-tensor (``foreach``) step: torch
+    picks it only for CUDA tensors, but on a shard's CPU tensors it also takes one call for
+    all of them instead of one per tensor (the same arithmetic, a fraction of the overhead)."""
+    if group.get("foreach") is None and not group.get("fused"):
+        return {"foreach": True}
+    return {}
 
 
 def _trial_step(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> None:

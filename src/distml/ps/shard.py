@@ -29,6 +29,10 @@ step counter and are applied at most once: a retried push gets the first answer 
 is counted only once its optimizer step has succeeded: a step that fails leaves the clocks, the
 version and the gradients waiting for a barrier as they were, so the same push, sent again, is
 applied.
+
+A reader gets the parameters as safetensors bytes, encoded once per version under the lock
+(one copy of the parameters, as a snapshot of them needs anyway) and shared by every reader of
+that version: BSP's N readers of a step, SSP's readers of one view.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 import torch
 
 from distml.config import Consistency
+from distml.net.tensors import encode_tensors
 from distml.ps.optimizer_spec import FLOAT_DTYPES, build_optimizer, validate_optimizer_spec
 
 log = logging.getLogger("distml.ps")
@@ -64,6 +69,32 @@ class NotInitialized(RuntimeError):
 
 class StepFailed(RuntimeError):
     """The optimizer step failed; no clock, version or waiting gradient changed (send again)."""
+
+
+# The environment of a shard's process. glibc's malloc hands a freed block past its adaptive
+# threshold (32 MiB at most) back to the kernel, and trims the top of its heap past twice that:
+# a shard of a large model then has every page of each body it reads and of each answer it
+# encodes faulted in afresh, step after step, which costs more CPU than the rest of its work
+# (benchmarks/ps_transport.py). With these, its freed memory is kept for the next step.
+PROCESS_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
+
+# Below this many bytes of parameters an optimizer step takes less time than handing it to a
+# thread and back (tens of microseconds with the wake-ups); above it, the event loop stays free
+# to take requests while a step runs.
+INLINE_STEP_BYTES = 2**20
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite. A sum is finite only when every element
+    is (a NaN or an infinity carries through it), and a sum is one fast pass; only a tensor
+    whose sum is not finite (a bad value, or finite values whose sum overflows) is checked
+    element by element."""
+    if not tensors:
+        return True
+    sums = torch.stack([t.sum() for t in tensors])
+    if bool(sums.isfinite().all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 @dataclass
@@ -99,8 +130,11 @@ class ParameterShard:
         self.restored_version: int | None = None
         self._since = time.monotonic()  # workers not yet registered are presumed starting
         self._pending: dict[int, dict[str, torch.Tensor]] = {}  # BSP: gradients of `version`
-        # SSP: the parameters when the slowest clock last advanced, its version and that clock.
-        self._view: tuple[dict[str, torch.Tensor], int, int] | None = None
+        # SSP: the parameters (encoded) when the slowest clock last advanced, its version and
+        # that clock.
+        self._view: tuple[bytes, int, int] | None = None
+        # The parameters encoded at a version, for every reader of it: (params, version, body).
+        self._encoded: tuple[dict[str, torch.nn.Parameter], int, bytes] | None = None
         self._cond = asyncio.Condition()
         # Batches handed out: per epoch, how many of its `epoch_batches` are taken.
         self.claims: dict[int, int] = {}
@@ -215,7 +249,7 @@ class ParameterShard:
                         f"initial value of {name[:200]!r} is {value.dtype}; a shard holds "
                         f"{', '.join(str(d) for d in FLOAT_DTYPES)}"
                     )
-                if not torch.isfinite(value).all():
+                if not all_finite([value]):
                     raise PushRejected(f"initial value of {name[:200]!r} is not finite")
             params = {
                 n: torch.nn.Parameter(t.clone(), requires_grad=True) for n, t in tensors.items()
@@ -241,8 +275,9 @@ class ParameterShard:
                     f"{name}: got {grad.dtype} {tuple(grad.shape)}, "
                     f"expected {param.dtype} {tuple(param.shape)}"
                 )
-            if not torch.isfinite(grad).all():
-                raise PushRejected(f"{name}: the gradient has non-finite values")
+        if not all_finite(list(grads.values())):
+            bad = next(n for n, g in grads.items() if not torch.isfinite(g).all())
+            raise PushRejected(f"{bad}: the gradient has non-finite values")
 
     async def push(
         self, worker: int, step: int, version: int, grads: dict[str, torch.Tensor], nbytes: int = 0
@@ -250,7 +285,10 @@ class ParameterShard:
         """``worker``'s gradient of its step ``step``, computed on parameters of ``version``.
 
         Answers ``status`` (applied, accepted, dropped or duplicate) and ``read_version``: the
-        version the worker should read next (BSP waits for it; ASP and SSP never look)."""
+        version the worker should read next (BSP waits for it; ASP and SSP never look).
+
+        The shard takes ``grads`` over: an asynchronous push is scaled in place (a push whose
+        step fails is sent again, decoded afresh)."""
         if not self.initialized:
             raise NotInitialized("the shard has no parameters yet")
         self._check(grads)
@@ -315,17 +353,27 @@ class ParameterShard:
     async def _apply(
         self, grads: list[dict[str, torch.Tensor]], scale: float, staleness: int
     ) -> None:
-        """One optimizer step on the scaled sum of ``grads`` (in a thread: the event loop keeps
-        taking requests, which queue on the lock this coroutine holds). :class:`StepFailed` if
-        the step raises: the version and the telemetry stay as they were."""
+        """One optimizer step on the scaled sum of ``grads`` (in a thread when the parameters
+        are large: the event loop keeps taking requests, which queue on the lock this coroutine
+        holds; small ones step at once, for less than the hand-over to a thread costs).
+        :class:`StepFailed` if the step raises: the version and the telemetry stay as they
+        were. One gradient is scaled in place; several are summed into new tensors, so that the
+        BSP gradients waiting for a step that failed are kept as they came."""
         factor = 1.0 / (1 + staleness) if self.settings.staleness_lr else 1.0
 
         def step() -> None:
             saved = [g["lr"] for g in self.optimizer.param_groups]
+            names = list(self.params)
             try:
-                for name, param in self.params.items():
-                    total = sum(g[name] for g in grads[1:]) + grads[0][name]
-                    param.grad = total.mul_(scale)
+                total = [grads[0][n] for n in names]
+                if len(grads) > 1:
+                    total = torch._foreach_add(total, [grads[1][n] for n in names])
+                    for more in grads[2:]:
+                        torch._foreach_add_(total, [more[n] for n in names])
+                if scale != 1.0:
+                    torch._foreach_mul_(total, scale)
+                for param, grad in zip(self.params.values(), total, strict=True):
+                    param.grad = grad
                 for g in self.optimizer.param_groups:
                     g["lr"] = g["lr"] * factor
                 self.optimizer.step()
@@ -336,7 +384,10 @@ class ParameterShard:
 
         start = time.perf_counter()
         try:
-            await asyncio.to_thread(step)
+            if self._param_bytes() >= INLINE_STEP_BYTES:
+                await asyncio.to_thread(step)
+            else:
+                step()
         except Exception as exc:
             log.exception("the optimizer step after version %d failed", self.version)
             raise StepFailed(
@@ -346,6 +397,16 @@ class ParameterShard:
         self.apply_s.append(time.perf_counter() - start)
         self.staleness[staleness] += len(grads)
         self.version += 1
+
+    def _param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params.values())
+
+    def encoded_params(self) -> bytes:
+        """The parameters as safetensors bytes, encoded once per version (hold the lock)."""
+        cached = self._encoded
+        if cached is None or cached[0] is not self.params or cached[1] != self.version:
+            cached = self._encoded = (self.params, self.version, encode_tensors(self.params))
+        return cached[2]
 
     def _slowest_clock(self) -> int | None:
         """The lowest clock of the workers still training (None when none is)."""
@@ -359,8 +420,7 @@ class ParameterShard:
         if slowest is None:
             self._view = None  # nobody is training: readers get the parameters as they are
         elif self._view is None or slowest > self._view[2]:
-            params = {n: p.detach().clone() for n, p in self.params.items()}
-            self._view = (params, self.version, slowest)
+            self._view = (self.encoded_params(), self.version, slowest)
 
     def _may_read(self, worker: int, min_version: int) -> bool:
         if not self.initialized:
@@ -377,9 +437,10 @@ class ParameterShard:
 
     async def pull(
         self, worker: int, min_version: int = 0, wait_s: float = 10.0, generation: str = ""
-    ) -> tuple[dict[str, torch.Tensor], int, float] | None:
-        """The parameters once ``worker`` may read them, their version and the seconds the rule
-        held the reader; None if it could not read within ``wait_s`` (it asks again).
+    ) -> tuple[bytes, int, float] | None:
+        """The parameters (safetensors bytes) once ``worker`` may read them, their version and
+        the seconds the rule held the reader; None if it could not read within ``wait_s`` (it
+        asks again: a long poll).
 
         A reader that knew another ``generation`` of this shard (it restarted from a snapshot
         since) reads at once: the version it waits for may be one the shard lost."""
@@ -397,15 +458,30 @@ class ParameterShard:
             self._seen(worker)
             self._advance_view()
             if self._view is not None:
-                view, version, _ = self._view
-                return dict(view), version, time.perf_counter() - start
-            tensors = {n: p.detach().clone() for n, p in self.params.items()}
-            return tensors, self.version, time.perf_counter() - start
+                body, version, _ = self._view
+                return body, version, time.perf_counter() - start
+            return self.encoded_params(), self.version, time.perf_counter() - start
 
-    async def read(self) -> tuple[dict[str, torch.Tensor], int]:
-        """The parameters as they are now, for an observer (no worker, no rule)."""
+    async def push_pull(
+        self,
+        worker: int,
+        step: int,
+        version: int,
+        grads: dict[str, torch.Tensor],
+        nbytes: int = 0,
+        wait_s: float = 10.0,
+        generation: str = "",
+    ) -> tuple[dict[str, Any], tuple[bytes, int, float] | None]:
+        """A worker's step in one exchange: :meth:`push`, then :meth:`pull` of the version the
+        push answered (the answer, and what the pull got)."""
+        answer = await self.push(worker, step, version, grads, nbytes)
+        return answer, await self.pull(worker, answer["read_version"], wait_s, generation)
+
+    async def read(self) -> tuple[bytes, int]:
+        """The parameters as they are now (safetensors bytes), for an observer (no worker, no
+        rule)."""
         async with self._cond:
-            return {n: p.detach().clone() for n, p in self.params.items()}, self.version
+            return self.encoded_params(), self.version
 
     # -- telemetry --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

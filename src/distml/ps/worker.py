@@ -1,10 +1,17 @@
 """The worker's side of a parameter server: the training strategy of ``--strategy ps``.
 
-After backward, the worker pushes its gradients to every shard (in parallel, one connection per
-shard), then pulls the parameters back as soon as the consistency rule lets it, and copies them
-into its model. The local optimizer never steps: the servers own the optimizer state, write the
-checkpoints (their snapshots) and tell a restarted worker where it resumes. Under ASP and SSP the
-worker's data loader claims its batches from the first shard, one at a time.
+After backward, the worker sends its gradients to every shard in one exchange a step
+(``POST /v1/step``): each shard applies them and answers with the parameters the worker trains on
+next, as soon as the consistency rule lets it read them (under BSP once the step's barrier is
+complete; the request waits on the shard, a long poll). The requests to all shards go out before
+any answer is read, so the shards work at once, without a thread per call; each answer is read
+into one buffer that the parameters are copied from. The local optimizer never steps: the
+servers own the optimizer state, write the checkpoints (their snapshots) and tell a restarted
+worker where it resumes. Under ASP and SSP the worker's data loader claims its batches from the
+first shard, one at a time: each in the exchange of the step before it (the claim the loader
+makes next, answered when the step's parameters are), the first of an epoch on its own. A
+worker that stops after a step (a step limit) leaves that one batch of its epoch untrained, as
+a data loader that prefetches does.
 
 The workers share no process group: each is a world of one, and the job that started them with
 their shards (:mod:`distml.jobs.ps`) gathers their records.
@@ -16,8 +23,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +33,18 @@ from torch import nn
 from distml.config import RunConfig
 from distml.data.loader import ShardedLoader
 from distml.data.sampler import ClaimedBatchSampler
-from distml.net import (
-    ServiceClient,
-    ServiceError,
-    decode_tensors,
-    encode_tensors,
-    token_from_env,
-)
+from distml.net import ServiceError, decode_tensors, encode_tensors, token_from_env
+from distml.net.client import Answer, KeepAliveClient
+from distml.net.tensors import tensor_parts
 from distml.parallel.strategy import StrategyEnv, TrainingStrategy
 from distml.ps.optimizer_spec import describe_optimizer
 from distml.ps.placement import place_parameters
 
 NOT_YET = 425  # the shard's answer while the consistency rule makes a reader wait
+PUSHED_ONLY = 202  # a step's push counted, its parameters not readable within the long poll
 SERVERS_ENV = "DISTML_PS_SERVERS"
+# How long a read waits on a shard before it asks again: well within the connection's timeout.
+LONG_POLL_S = 30.0
 
 
 def servers_from_env() -> tuple[list[str], str]:
@@ -81,15 +86,19 @@ class ParameterServerWorker(TrainingStrategy):
         self.accounting = env.recorder
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.placement = place_parameters(self.params, len(urls))
-        self.clients = [ServiceClient(u, token) for u in urls]
-        self._pool = ThreadPoolExecutor(len(urls), thread_name_prefix="ps-shard")
+        self.clients = [KeepAliveClient(u, token) for u in urls]
+        # Each shard's answers are read into one buffer, step after step: the parameters are
+        # copied out of it at once, and memory reused costs no page faults.
+        self._buffers = [bytearray() for _ in urls]
         self.read_versions = [0] * len(urls)
         self.versions = [0] * len(urls)
         self.generations = [""] * len(urls)
         self.wait_s = 0.0  # of the last step: time the consistency rule held this worker
         self.finished = False
         self.consistency = consistency  # the rule this worker's data loading expects, if known
-        clocks = self._each(lambda k: self._register(k, optimizer))
+        self._next_claim: tuple[int, int, int] | None = None  # to claim in the next step
+        self._claimed: tuple[tuple[int, int, int], int | None] | None = None  # and its answer
+        clocks = [self._register(k, optimizer) for k in range(len(urls))]
         self.start_step = min(clocks)
         self.pull()
         self._stop = threading.Event()
@@ -127,24 +136,68 @@ class ParameterServerWorker(TrainingStrategy):
 
     # -- the training strategy --------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, step: int) -> float:
-        """Push this step's gradients, pull the next parameters (the servers step the
-        optimizer). Returns the seconds spent."""
+        """Push this step's gradients and read the next parameters, in one exchange with each
+        shard (the servers step the optimizer). Returns the seconds spent."""
         start = time.perf_counter()
-        self._each(lambda k: self._push(k, step))
+        parts = [tensor_parts(self._grads(k)) for k in range(len(self.clients))]
+        claim, self._next_claim = self._next_claim, None
+        answers = self._exchange(
+            "POST",
+            "/v1/step",
+            lambda k: self._step_query(k, step, claim),
+            lambda k: parts[k],
+            into=self._buffers,
+        )
         for p in self.params.values():
             p.grad = None
-        self.pull()
+        waited = []
+        for k, answer in enumerate(answers):
+            size = sum(memoryview(part).nbytes for part in parts[k])
+            self.accounting.add_comm("ps_push", size, size)
+            self.read_versions[k] = int(answer.headers["X-Read-Version"])
+            if answer.status == PUSHED_ONLY:
+                waited.append(self._pull(k))
+            else:
+                waited.append(self._take(k, answer))
+        batch = answers[0].headers.get("X-Claim")
+        if claim is not None and batch is not None:
+            self._claimed = (claim, None if batch == "none" else int(batch))
+        self._waited(waited, start)
         return time.perf_counter() - start
 
     def claim(self, epoch: int, position: int, batches: int) -> int | None:
         """The next unclaimed batch of ``epoch`` (ASP and SSP: the first shard hands them out);
-        ``position``: this worker's claims of the epoch so far, so that a retry is known."""
-        query = {"worker": self.rank, "epoch": epoch, "position": position, "batches": batches}
-        return self.clients[0].request("POST", "/v1/claim", params=query).json()["batch"]
+        ``position``: this worker's claims of the epoch so far, so that a retry is known. The
+        answer came with the last step's parameters when that step claimed this one."""
+        claimed, self._claimed = self._claimed, None
+        if claimed is not None and claimed[0] == (epoch, position, batches):
+            batch = claimed[1]
+        else:
+            query = {"worker": self.rank, "epoch": epoch, "position": position, "batches": batches}
+            batch = self.clients[0].request("POST", "/v1/claim", params=query).json()["batch"]
+        self._next_claim = None if batch is None else (epoch, position + 1, batches)
+        return batch
 
     # -- the protocol -----------------------------------------------------------------------
-    def _each(self, fn) -> list[Any]:
-        return list(self._pool.map(fn, range(len(self.clients))))
+    def _exchange(
+        self,
+        method: str,
+        path: str,
+        params: Callable[[int], dict[str, Any]],
+        content: Callable[[int], Any] | None = None,
+        ok: tuple[int, ...] = (),
+        into: list[bytearray] | None = None,
+    ) -> list[Answer]:
+        """The same request to every shard (``params(k)`` and ``content(k)`` for shard k): all
+        are sent before any answer is read (into ``into[k]``, where given)."""
+        pending = [
+            client.send(method, path, params=params(k), content=content and content(k))
+            for k, client in enumerate(self.clients)
+        ]
+        return [
+            client.receive(p, ok=ok, into=into and into[k])
+            for k, (client, p) in enumerate(zip(self.clients, pending, strict=True))
+        ]
 
     def _register(self, k: int, optimizer: torch.optim.Optimizer) -> int:
         client = self.clients[k]
@@ -163,53 +216,68 @@ class ParameterServerWorker(TrainingStrategy):
         self.generations[k] = status["generation"]
         return int(status["clock"])
 
-    def _push(self, k: int, step: int) -> None:
+    def _step_query(self, k: int, step: int, claim: tuple[int, int, int] | None) -> dict[str, Any]:
+        query = {
+            "worker": self.rank,
+            "step": step,
+            "version": self.versions[k],
+            "wait_s": LONG_POLL_S,
+            "generation": self.generations[k],
+        }
+        if k == 0 and claim is not None:
+            epoch, position, batches = claim
+            query |= {"claim_epoch": epoch, "claim_position": position, "claim_batches": batches}
+        return query
+
+    def _grads(self, k: int) -> dict[str, torch.Tensor]:
         grads = {}
         for name in self.placement[k]:
             p = self.params[name]
             grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
-        body = encode_tensors(grads)
-        query = {"worker": self.rank, "step": step, "version": self.versions[k]}
-        answer = self.clients[k].request("POST", "/v1/push", params=query, content=body).json()
-        self.read_versions[k] = int(answer["read_version"])
-        self.accounting.add_comm("ps_push", len(body), len(body))
+        return grads
 
     def pull(self) -> None:
         """Read every shard's parameters into the model, each once its rule allows."""
         start = time.perf_counter()
-        waited = self._each(self._pull)
+        self._waited([self._pull(k) for k in range(len(self.clients))], start)
+
+    def _waited(self, waited: list[float], start: float) -> None:
         self.wait_s = max(waited)
         self.accounting.add_sync_wait(min(self.wait_s, time.perf_counter() - start))
 
     def _pull(self, k: int) -> float:
-        client = self.clients[k]
+        """Read shard k's parameters once the rule lets this worker (a long poll, asked again
+        each time it ends unanswered); the seconds the rule held it."""
         query = {
             "worker": self.rank,
             "min_version": self.read_versions[k],
-            "wait_s": 5.0,
+            "wait_s": LONG_POLL_S,
             "generation": self.generations[k],
         }
         waited = 0.0
         while True:
             start = time.perf_counter()
-            try:
-                response = client.request("GET", "/v1/params", params=query)
-                break
-            except ServiceError as exc:
-                if exc.status != NOT_YET:
-                    raise
+            answer = self.clients[k].request(
+                "GET", "/v1/params", params=query, ok=(NOT_YET,), into=self._buffers[k]
+            )
+            if answer.status != NOT_YET:
+                return waited + self._take(k, answer)
             waited += time.perf_counter() - start
-        tensors, _ = decode_tensors(response.content)
+
+    def _take(self, k: int, answer: Answer) -> float:
+        """Copy shard k's parameters from its answer into the model; the seconds the rule held
+        this worker on the shard."""
+        tensors, _ = decode_tensors(answer.content)  # views of the answer's buffer
         with torch.no_grad():
             for name, value in tensors.items():
                 self.params[name].copy_(value)
-        self.versions[k] = int(response.headers["X-Version"])
-        generation = response.headers["X-Generation"]
+        self.versions[k] = int(answer.headers["X-Version"])
+        generation = answer.headers["X-Generation"]
         if generation != self.generations[k]:  # the shard restarted from a snapshot
             self.generations[k] = generation
             self.read_versions[k] = self.versions[k]
-        self.accounting.add_comm("ps_pull", len(response.content), len(response.content))
-        return waited + float(response.headers.get("X-Wait-S", 0.0))
+        self.accounting.add_comm("ps_pull", len(answer.content), len(answer.content))
+        return float(answer.headers.get("X-Wait-S", 0.0))
 
     def _beat(self, every: float) -> None:
         while not self._stop.wait(every):
@@ -261,25 +329,23 @@ class ParameterServerWorker(TrainingStrategy):
             return
         self.finished = True
         self._stop.set()
-        self._each(
-            lambda k: self.clients[k].request("POST", "/v1/done", params={"worker": self.rank})
-        )
+        self._exchange("POST", "/v1/done", lambda k: {"worker": self.rank})
         for client in self.clients:
             while not client.request("GET", "/v1/status").json()["finished"]:
                 time.sleep(0.05)
         self.read_versions = [0] * len(self.clients)
-        self._each(self._pull)
+        for k in range(len(self.clients)):
+            self._pull(k)
 
     def snapshot(self) -> list[Path]:
         """Have every shard write its snapshot now; their paths (on the servers' machines)."""
-        answers = self._each(lambda k: self.clients[k].request("POST", "/v1/snapshot").json())
-        return [Path(a["path"]) for a in answers]
+        answers = self._exchange("POST", "/v1/snapshot", lambda k: {})
+        return [Path(a.json()["path"]) for a in answers]
 
     def stats(self) -> list[dict[str, Any]]:
-        return self._each(lambda k: self.clients[k].request("GET", "/v1/stats").json())
+        return [a.json() for a in self._exchange("GET", "/v1/stats", lambda k: {})]
 
     def close(self) -> None:
         self._stop.set()
-        self._pool.shutdown()
         for client in self.clients:
             client.close()
