@@ -44,7 +44,9 @@ SRUN = {
 def test_srun_places_the_node_and_flags_have_the_last_word():
     cfg = resolve_run_config(None, slurm_settings(SRUN) + assignments_of({"nproc": 4}, []))
     assert (cfg.min_nodes, cfg.max_nodes, cfg.node_rank) == (2, 2, 1)
-    assert (cfg.rdzv_endpoint, cfg.world_size) == ("gpu07:29400", 8)
+    assert (cfg.rdzv_endpoint, cfg.world_size, cfg.rdzv_id) == ("gpu07:29400", 8, "slurm-77")
+    own_id = assignments_of({"rdzv_id": "mine"}, [])
+    assert resolve_run_config(None, slurm_settings(SRUN) + own_id).rdzv_id == "mine"
     port = slurm_settings({**SRUN, "MASTER_PORT": "6000"})
     assert dict(port)["rdzv_endpoint"] == "gpu07:6000"
     flags = assignments_of({"rdzv_endpoint": "head:1234"}, [])

@@ -90,9 +90,12 @@ def slurm_settings(environ: Mapping[str, str]) -> list[tuple[str, Any]]:
         return []
     first = expand_hostlist(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"])[0]
     port = environ.get("MASTER_PORT") or str(RDZV_PORT)
-    return [
+    settings: list[tuple[str, Any]] = [
         ("min_nodes", nodes),
         ("max_nodes", nodes),
         ("node_rank", int(environ["SLURM_NODEID"])),
         ("rdzv_endpoint", f"{first}:{port}"),
     ]
+    if environ.get("SLURM_JOB_ID"):  # one id for every node of the job, as the rendezvous needs
+        settings.append(("rdzv_id", f"slurm-{environ['SLURM_JOB_ID']}"))
+    return settings
