@@ -133,7 +133,9 @@ def create_app(
     if len(identities) < (1 if isinstance(token, str) else len(token)):
         raise ValueError("two identities share one token")
 
-    def authenticate(
+    # async: a hash and a lookup, never blocking; a plain def would send every request of every
+    # service through FastAPI's thread pool for it.
+    async def authenticate(
         request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)
     ) -> None:
         digest = _digest(creds.credentials) if creds is not None else b""
