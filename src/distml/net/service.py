@@ -182,6 +182,12 @@ def create_app(
 async def read_body(request: Request, limit: int = DEFAULT_MAX_BODY) -> bytes:
     """The request body, refused with 413 once it passes ``limit`` bytes (the declared length is
     checked first; a body without one is counted as it streams)."""
+    return b"".join(await read_chunks(request, limit))
+
+
+async def read_chunks(request: Request, limit: int = DEFAULT_MAX_BODY) -> list[bytes]:
+    """The request body's chunks as they came, with :func:`read_body`'s limits: for a caller
+    that joins them into a buffer of its own."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise HTTPException(413, f"body over the limit of {limit} bytes")
@@ -191,7 +197,7 @@ async def read_body(request: Request, limit: int = DEFAULT_MAX_BODY) -> bytes:
         if size > limit:
             raise HTTPException(413, f"body over the limit of {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+    return chunks
 
 
 def serve(

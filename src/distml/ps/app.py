@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.responses import JSONResponse, Response
 
 from distml.net import bounded_json, create_app, decode_tensors, octet_stream_body
+from distml.net.service import read_chunks
 from distml.net.tensors import TensorPayloadError
 from distml.ps.optimizer_spec import MAX_SPEC_BYTES
 from distml.ps.shard import (
@@ -291,16 +292,5 @@ def create_shard_app(
 
 async def read_buffer(request: Request, limit: int) -> bytearray:
     """The request body in a ``bytearray`` (that :func:`decode_tensors` views in place), with
-    :func:`distml.net.read_body`'s limits: 413 once it passes ``limit`` bytes, the declared
-    length checked first. Its chunks are gathered as they come, so that a length declared
-    and never sent costs nothing."""
-    declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise HTTPException(413, f"body over the limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPException(413, f"body over the limit of {limit} bytes")
-        chunks.append(chunk)
-    return bytearray().join(chunks)
+    :func:`distml.net.read_body`'s limits."""
+    return bytearray().join(await read_chunks(request, limit))
