@@ -41,6 +41,22 @@ class ServiceError(RuntimeError):
         self.status = status
 
 
+class Backoff:
+    """The clients' retry policy: waits from 50 ms doubling to 2 s, jittered, for ``retry_s``."""
+
+    def __init__(self, retry_s: float):
+        self.deadline = time.monotonic() + retry_s
+        self.delay = 0.05
+
+    def expired(self) -> bool:
+        """Whether the next wait would end past the deadline."""
+        return time.monotonic() + self.delay > self.deadline
+
+    def sleep(self) -> None:
+        time.sleep(self.delay * (0.5 + random.random()))
+        self.delay = min(self.delay * 2, 2.0)
+
+
 class ServiceClient:
     """One service, one connection pool. ``retry_s`` bounds how long a request keeps retrying
     while the service is down (a restarting server takes a few seconds to come back).
@@ -71,8 +87,7 @@ class ServiceClient:
         self.reconnects = 0
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        deadline = time.monotonic() + self.retry_s
-        delay = 0.05
+        backoff = Backoff(self.retry_s)
         while True:
             try:
                 response = self._http.request(method, path, **kwargs)
@@ -87,11 +102,10 @@ class ServiceClient:
                         )
                     return response
                 failure = f"{response.status_code} {response.text}"
-            if time.monotonic() + delay > deadline:
+            if backoff.expired():
                 raise ServiceError(f"{method} {self.url}{path}: still failing ({failure})")
             self.reconnects += 1
-            time.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 2.0)
+            backoff.sleep()
 
     def close(self) -> None:
         self._http.close()
@@ -195,8 +209,7 @@ class KeepAliveClient:
         self, pending: Pending, ok: Iterable[int] = (), into: bytearray | None = None
     ) -> Answer:
         """The answer to a request :meth:`send` sent (see :meth:`request`)."""
-        deadline = time.monotonic() + self.retry_s
-        delay, attempt = 0.05, 0
+        backoff, attempt = Backoff(self.retry_s), 0
         while True:
             if pending.connection is not None:
                 try:
@@ -216,13 +229,12 @@ class KeepAliveClient:
                         return answer
                     pending.failure = f"{answer.status} {answer.text[:2000]}"
                 pending.connection = None
-            if time.monotonic() + delay > deadline:
+            if backoff.expired():
                 raise ServiceError(
                     f"{pending.method} {self.url}{pending.path}: still failing ({pending.failure})"
                 )
             if attempt:  # the first retry goes at once: a kept-alive connection found closed
-                time.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 2.0)
+                backoff.sleep()
             attempt += 1
             self.reconnects += 1
             try:
