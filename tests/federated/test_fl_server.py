@@ -178,6 +178,23 @@ def test_dropouts_are_left_out_and_late_updates_refused():
     torch.testing.assert_close(server.params["net.1.bias"], start["net.1.bias"] + 0.075)
 
 
+def test_a_client_that_leaves_is_not_waited_for_and_may_not_answer_after():
+    server = make_server(round_timeout_s=600, quorum=0.5)  # only the leave can end this round
+    with serving(server) as url:
+        register_all(url)
+        wait_until(lambda: server.round is not None)
+        assert post(http(url, "a"), zeros_like_model()).status_code == 200
+        assert post(http(url, "b"), zeros_like_model()).status_code == 200
+        assert http(url, "c").post("/v1/leave").status_code == 200
+        wait_until(lambda: server.finished)
+        assert "c" not in server.available()
+        after = post(http(url, "c"), zeros_like_model())
+        assert after.status_code == 409
+        assert http(url, "c").get("/v1/task").status_code == 204  # and asking again is presence
+    record = server.history[0]
+    assert (record["status"], record["participants"], record["dropped"]) == ("completed", 2, 1)
+
+
 def test_a_round_short_of_its_quorum_is_run_again_with_a_fresh_sample():
     server = make_server(round_timeout_s=1.0, quorum=1.0)
     with serving(server) as url:

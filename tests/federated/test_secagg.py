@@ -119,6 +119,27 @@ def test_dropouts_after_sharing_keys_leave_exactly_the_survivors_sum():
     assert torch.equal(r.server.aggregate_ring(), r.plain_ring_sum(survivors))
 
 
+def test_a_client_that_leaves_is_no_longer_waited_for_and_its_shares_still_unmask_it():
+    r = Round(6, t=4)
+    r.share_keys()
+    r.server.close_shares()  # the masked stage opens: it waits for all six
+    gone = r.ids[0]
+    assert gone in r.server.waiting_for()
+    r.server.leave(gone)
+    assert gone not in r.server.waiting_for()
+    with pytest.raises(SecAggError, match="left the round"):
+        masked = r.clients[gone].masked_input(r.inputs[gone], wire(r.server.shares_for(gone)))
+        r.server.receive_masked(gone, masked)
+    alive = r.ids[1:]
+    for i in alive:
+        r.server.receive_masked(i, r.clients[i].masked_input(r.inputs[i], r.server.shares_for(i)))
+    assert r.server.waiting_for() == set()  # the masked stage is complete without it
+    survivors = r.server.survivors()
+    for i in survivors:
+        r.server.receive_unmask(i, wire(r.clients[i].unmask(survivors)))
+    assert torch.equal(r.server.aggregate_ring(), r.plain_ring_sum(alive))
+
+
 def test_dropouts_during_unmask_need_only_t_reveals():
     r = Round(8, t=5)
     survivors = r.unmask(dropped_before_input=r.ids[:1], reveal=lambda s: s[2:])

@@ -3,6 +3,7 @@ many clients on this one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 from pathlib import Path
@@ -299,6 +300,7 @@ def client(
     DISTML_TOKEN."""
     from distml.federated.client import FederatedClient
     from distml.net import token_from_env
+    from distml.net.client import ServiceError
 
     try:
         token = token_from_env()
@@ -306,7 +308,12 @@ def client(
     except (OSError, ValueError) as exc:
         fail_usage(str(exc))
     fl_client = FederatedClient(server_url, token, dataset, seed=seed, verify=ca_cert or True)
-    trained = fl_client.run()
+    try:
+        trained = fl_client.run()
+    except KeyboardInterrupt:  # Ctrl-C: say goodbye, so that the open round need not time out
+        with contextlib.suppress(ServiceError):
+            fl_client.leave()
+        raise typer.Exit(130) from None
     typer.echo(json.dumps({"rounds_trained": trained, "examples": len(dataset)}))
 
 

@@ -129,6 +129,12 @@ def create_fl_app(
         await server.seen(client)
         return server.status() | {"client": client, "model": server.config.model}
 
+    @app.post("/v1/leave")
+    async def leave(request: Request) -> dict[str, Any]:
+        """The calling client goes away: the open round stops waiting for it."""
+        await server.leave(_identity(request))
+        return server.status()
+
     @app.get("/v1/status")
     async def status(
         after: Annotated[int, Query(ge=-1)] = -1,

@@ -60,6 +60,12 @@ class FederatedClient:
     def register(self) -> dict[str, Any]:
         return self.http.request("POST", "/v1/register").json()
 
+    def leave(self) -> None:
+        """Tell the server this client is going: the open round stops waiting for it. One
+        try: a client that cannot reach the server is a dropout the round's deadline handles."""
+        self.http.retry_s = 0.0
+        self.http.request("POST", "/v1/leave")
+
     def task(self) -> dict[str, Any] | None:
         """This client's task in the open round; None if it was not selected."""
         response = self.http.request("GET", "/v1/task")

@@ -29,6 +29,11 @@ class Round:
     bytes_up: int = 0
     secure: RoundStages | None = None  # the stages the strategy opened (secure aggregation)
     arrivals: list[float] = field(default_factory=list)  # when each update came in
+    left: set[str] = field(default_factory=set)  # selected, then said they are gone
+
+    def pending(self) -> set[str]:
+        """The selected clients the round still waits for."""
+        return set(self.selected) - set(self.updates) - self.left
 
     def answered(self) -> int:
         """Clients whose answer counts: plain updates, or the inputs in a secure sum."""

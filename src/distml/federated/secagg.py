@@ -406,12 +406,15 @@ class SecAggServer:
         self._u2: list[int] | None = None
         self._u3: list[int] | None = None
         self._total: torch.Tensor | None = None
+        self._left: set[int] = set()  # said they are gone: no stage waits for them
 
     def _check(self, client_id: int, stage: str, members: Any, open_: bool, seen: Any) -> None:
         if members is None or not open_:
             raise SecAggError(f"client {client_id}, {stage}: the stage is not open")
         if client_id not in members:
             raise SecAggError(f"client {client_id}, {stage}: not in the current set of clients")
+        if client_id in self._left:
+            raise SecAggError(f"client {client_id}, {stage}: left the round")
         if client_id in seen:
             raise SecAggError(f"client {client_id}, {stage}: duplicate message")
 
@@ -425,14 +428,22 @@ class SecAggServer:
     def waiting_for(self) -> set[int]:
         """The clients the open stage still expects a message from (empty once all is done)."""
         if self._u1 is None:
-            return self.participants - set(self._ads)
-        if self._u2 is None:
-            return set(self._u1) - set(self._shares)
-        if self._u3 is None:
-            return set(self._u2) - self._masked
-        if self._total is None:
-            return set(self._u3) - set(self._reveals)
-        return set()
+            expected = self.participants - set(self._ads)
+        elif self._u2 is None:
+            expected = set(self._u1) - set(self._shares)
+        elif self._u3 is None:
+            expected = set(self._u2) - self._masked
+        elif self._total is None:
+            expected = set(self._u3) - set(self._reveals)
+        else:
+            expected = set()
+        return expected - self._left
+
+    def leave(self, client_id: int) -> None:
+        """``client_id`` is gone: no stage waits for it and none takes its messages. What it
+        sent before stays, so a client that leaves after sharing its keys is a dropout the
+        others' shares unmask."""
+        self._left.add(client_id)
 
     def receive_advertisement(self, client_id: int, adv: dict[str, str]) -> None:
         self._check(client_id, "advertise", self.participants, self._u1 is None, self._ads)

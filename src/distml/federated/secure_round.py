@@ -91,6 +91,9 @@ class SecureRound:
         except SecAggError as exc:
             raise StageError(str(exc)) from None
 
+    def leave(self, name: str) -> None:
+        self.server.leave(self.ids[name])
+
     def survivors(self) -> int:
         """How many clients' masked inputs are in the sum (0 before that stage closed)."""
         return len(self.server.survivors()) if self.stage > 2 else 0

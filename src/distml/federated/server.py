@@ -100,6 +100,18 @@ class FederatedServer:
             if new:
                 self._cond.notify_all()
 
+    async def leave(self, client: str) -> None:
+        """``client`` is going away (Flower's DeleteNode): it is no longer available, and an
+        open round that selected it and has not heard from it stops waiting for it."""
+        async with self._cond:
+            self.clients.pop(client, None)
+            r = self.round
+            if r is not None and r.open and client in r.pending():
+                r.left.add(client)
+                if r.secure is not None:
+                    r.secure.leave(client)
+            self._cond.notify_all()
+
     def available(self) -> list[str]:
         now = time.monotonic()
         return [c for c, t in self.clients.items() if now - t < self.config.availability_s]
@@ -107,7 +119,7 @@ class FederatedServer:
     def task_for(self, client: str) -> dict[str, Any] | None:
         """The fit task of ``client`` in the open round, if it was selected and has not answered."""
         r = self.round
-        if r is None or not r.open or client not in r.selected or client in r.updates:
+        if r is None or not r.open or client not in r.pending():
             return None
         task = {"round": r.number, "model": self.config.model, "config": r.config}
         if r.secure is not None:
@@ -198,6 +210,8 @@ class FederatedServer:
                 raise UpdateRejected(f"{client} was not selected for round {round_number}", 403)
             if client in r.updates:
                 raise UpdateRejected(f"{client} has already answered round {round_number}", 409)
+            if client in r.left:
+                raise UpdateRejected(f"{client} has left round {round_number}", 409)
             r.updates[client] = ClientUpdate(client, delta, num_examples, metrics)
             r.arrivals.append(time.perf_counter())
             r.bytes_up += nbytes
@@ -285,11 +299,11 @@ class FederatedServer:
         A round in stages does the same for each stage."""
         async with self._cond:
             if r.secure is None:
-                await self._wait(lambda: len(r.updates) > 0, r.deadline)
+                await self._wait(lambda: r.updates or not r.pending(), r.deadline)
                 if r.arrivals:
                     first = r.arrivals[0] - time.perf_counter() + time.monotonic()
                     deadline = min(first + self.config.round_timeout_s, r.deadline)
-                    await self._wait(lambda: len(r.updates) == len(r.selected), deadline)
+                    await self._wait(lambda: not r.pending(), deadline)
             else:
                 while not r.secure.done:
                     timeout = (
