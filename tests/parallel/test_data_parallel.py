@@ -53,12 +53,12 @@ def test_fp16_compression_halves_the_payload_and_stays_close(tmp_path):
     assert rel_err(out["params"], single_process(STEPS, 2 * BATCH)) <= 1e-2
 
 
-def test_powersgd_sends_low_rank_factors(tmp_path):
-    out = launch_dp(
-        tmp_path,
-        "psgd",
-        **{"compression": "powersgd", "powersgd_rank": 1, "powersgd_start_iter": 2},
-    )
+@pytest.mark.parametrize("bucket_cap_mb", [None, 0.0001])
+def test_powersgd_sends_low_rank_factors(tmp_path, bucket_cap_mb):
+    # A bucket per parameter (0.0001 MB): on gloo the buckets' compressions must not race,
+    # or the ranks issue their all-reduces in different orders and abort.
+    options = {"powersgd_rank": 1, "powersgd_start_iter": 2, "bucket_cap_mb": bucket_cap_mb}
+    out = launch_dp(tmp_path, "psgd", compression="powersgd", **options)
     # Two vanilla steps, then per step: the 32x16 and 10x32 weights as rank-1 factors
     # (32+16 and 10+32 elements), the biases (32 + 10) uncompressed.
     numel = out["params"].numel()

@@ -67,8 +67,25 @@ def _choose_hook(cfg: StrategyConfig, group: dist.ProcessGroup | None) -> tuple[
             matrix_approximation_rank=cfg.powersgd_rank,
             start_powerSGD_iter=cfg.powersgd_start_iter,
         )
-        return powersgd.powerSGD_hook, state
+        hook = powersgd.powerSGD_hook
+        return (_one_bucket_at_a_time(hook) if dist.get_backend(group) == "gloo" else hook), state
     return default_hooks.allreduce_hook, group
+
+
+def _one_bucket_at_a_time(hook: Callable) -> Callable:
+    """PowerSGD issues a bucket's second and third all-reduce from the callback of the one
+    before. gloo matches collectives across ranks by the order they are issued in, and the
+    callbacks of two buckets race, so with several buckets the ranks can issue them in different
+    orders and abort ("Received data size doesn't match expected size"). On gloo each bucket's
+    compression therefore finishes before the next bucket is handed over: correct, with less
+    overlap of communication and backward."""
+
+    def in_order(state, bucket):  # noqa: ANN001, ANN202  (DDP checks the hook's annotations)
+        future = hook(state, bucket)
+        future.wait()
+        return future
+
+    return in_order
 
 
 class Accounting(Protocol):
