@@ -107,6 +107,10 @@ def test_layout_equals_one_process(name, runs, reference):
     assert rel_err(flat(params, keys), flat(ref["params"], keys)) <= 1e-4
     summary = out["summary"]
     assert summary["steps"] == STEPS and summary["world_size"] == world(mesh)
+    # Each sample counts once, however many tensor-parallel peers and stages it passed through.
+    data_ranks = mesh.get("dp", 1) * mesh.get("fsdp", 1)
+    samples = summary["samples_per_s"] * summary["train_s"]
+    assert samples == pytest.approx(STEPS * BATCH * data_ranks, rel=1e-9)
     assert {k: summary["layout"][k] for k in mesh} == mesh
     norm = torch.cat([p.detach().reshape(-1) for p in ref["params"].values()]).double().norm()
     assert summary["param_norm"] == pytest.approx(float(norm), rel=1e-4)

@@ -30,6 +30,7 @@ def write_run_files(run: RunRecord, eval_metrics: dict[str, float]) -> dict[str,
         return write_worker_files(run, eval_metrics)
     records = [r.to_json() for r in run.recorder.records]
     per_rank = all_gather_json(records, run.device)
+    sharers = run.mesh.get("tp", 1) * run.mesh.get("pp", 1)  # ranks that see the same batch
     summary: dict[str, Any] = {
         "run_name": run.config.run_name,
         "world_size": run.world_size,
@@ -37,7 +38,7 @@ def write_run_files(run: RunRecord, eval_metrics: dict[str, float]) -> dict[str,
         "mesh": run.mesh,
         "attempt": run.attempt,
         "wall_s": run.wall_s,
-        **summarize(per_rank, run.config.telemetry.straggler_factor),
+        **summarize(per_rank, run.config.telemetry.straggler_factor, ranks_per_batch=sharers),
         "eval": eval_metrics,
         "energy_source": run.recorder.energy.source,
         "param_norm": None,
@@ -63,7 +64,7 @@ def write_run_files(run: RunRecord, eval_metrics: dict[str, float]) -> dict[str,
         summary["export"] = str(export_state(state, export))
     elif run.module is not None:
         summary["export"] = str(export_safetensors(run.module, export))
-    write_metrics(run_dir, per_rank, eval_metrics)  # metrics.jsonl and TensorBoard's tb/
+    write_metrics(run_dir, per_rank, eval_metrics, sharers)  # metrics.jsonl and TensorBoard's tb/
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     from distml.telemetry.report import write_report  # matplotlib: rank 0 only, at the end
 

@@ -45,8 +45,12 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def step_scalars(per_rank: Records, eval_metrics: Mapping[str, Any] | None = None) -> list[Scalar]:
-    """Every scalar that TensorBoard gets from a run's step records (see the module's doc)."""
+def step_scalars(
+    per_rank: Records, eval_metrics: Mapping[str, Any] | None = None, ranks_per_batch: int = 1
+) -> list[Scalar]:
+    """Every scalar that TensorBoard gets from a run's step records (see the module's doc);
+    the run's samples/s counts each sample once, as :func:`~distml.telemetry.summary.summarize`
+    does."""
     out: list[Scalar] = []
     losses: dict[int, list[float]] = defaultdict(list)
     rates: dict[int, float] = defaultdict(float)
@@ -68,7 +72,7 @@ def step_scalars(per_rank: Records, eval_metrics: Mapping[str, Any] | None = Non
             energy[step] += float(rec.get("energy_j", 0.0))
     for step in sorted(losses):
         out.append(("loss", sum(losses[step]) / len(losses[step]), step))
-        out.append(("samples_per_s", rates[step], step))
+        out.append(("samples_per_s", rates[step] / ranks_per_batch, step))
         out.append(("energy_j", energy[step], step))
     if losses:
         last = max(losses)
@@ -88,7 +92,10 @@ def round_scalars(history: Iterable[dict[str, Any]]) -> list[Scalar]:
 
 
 def write_metrics(
-    run_dir: Path, per_rank: Records, eval_metrics: Mapping[str, Any] | None = None
+    run_dir: Path,
+    per_rank: Records,
+    eval_metrics: Mapping[str, Any] | None = None,
+    ranks_per_batch: int = 1,
 ) -> Path:
     """Write ``run_dir/metrics.jsonl`` (one JSON object per step per rank) and the same
     records as TensorBoard event files in ``run_dir/tb/``; returns the jsonl's path."""
@@ -98,7 +105,7 @@ def write_metrics(
         for records in per_rank:
             for rec in records:
                 f.write(json.dumps(rec) + "\n")
-    write_events(Path(run_dir) / "tb", step_scalars(per_rank, eval_metrics))
+    write_events(Path(run_dir) / "tb", step_scalars(per_rank, eval_metrics, ranks_per_batch))
     return path
 
 

@@ -56,8 +56,12 @@ def summarize(
     straggler_factor: float,
     measured_waits: bool = False,
     lockstep: bool = True,
+    ranks_per_batch: int = 1,
 ) -> dict[str, Any]:
     """Totals over the run. Byte counts are per rank (rank 0's); times are sums over steps.
+
+    ``ranks_per_batch``: how many ranks record the same samples (tensor-parallel peers and
+    pipeline stages each see their data rank's whole batch); samples count once.
 
     ``measured_waits``: the records carry their own ``sync_wait_s`` (a parameter server's), which
     is kept; otherwise waits are derived from the ranks' compute times (:func:`attribute_waits`).
@@ -78,6 +82,7 @@ def summarize(
         train_s = max((sum(r["step_s"] for r in records) for records in per_rank), default=0.0)
     rank0 = per_rank_steps[0] if per_rank else []
     samples = sum(rec["samples"] for records in per_rank_steps for rec in records)
+    samples /= ranks_per_batch
     ranks = []
     for rank, records in enumerate(per_rank):
         ranks.append(
