@@ -250,3 +250,68 @@ def read_events(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {
         tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
     }
+
+
+# -- jobs on a testbed's hosts (tests/launch/test_multinode.py, tests/testbed) ------------------
+@pytest.fixture
+def testbed_factory():
+    """Build :class:`distml.testbed.Testbed` s for a test (skipped where none can be built);
+    each is torn down when the test ends, whatever happened."""
+    from distml.testbed import Testbed, TestbedError, unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    built = []
+
+    def make(hosts: int = 2, rate=None, **options) -> Testbed:
+        bed = Testbed(hosts, rate, **options)
+        try:
+            bed.__enter__()
+        except TestbedError as exc:
+            pytest.skip(f"cannot build the testbed: {exc}")
+        built.append(bed)
+        return bed
+
+    yield make
+    for bed in built:
+        bed.close()
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"<{path}: {exc}>"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_all(procs: dict[str, tuple[subprocess.Popen, Path]], timeout: float) -> dict[str, str]:
+    """Wait for every process, killing its process group on timeout. Their outcomes, as
+    "exit code N" or "timed out"."""
+    deadline = time.monotonic() + timeout
+    codes: dict[str, str] = {}
+    try:
+        for name, (proc, _) in procs.items():
+            try:
+                code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                codes[name] = f"exit code {code}"
+            except subprocess.TimeoutExpired:
+                codes[name] = f"timed out after {timeout:.0f} s, killed"
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, 9)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+    return codes
+
+
+def outputs(procs: dict[str, tuple[subprocess.Popen, Path]], codes: dict[str, str]) -> str:
+    """Each process's outcome and the tail of its log, for an assertion's message."""
+    return "\n".join(
+        f"===== {name}: {codes.get(name)} (tail of {log}) =====\n{tail(log)}"
+        for name, (_, log) in procs.items()
+    )

@@ -1,4 +1,4 @@
-"""Multi-node, for real: two hosts in two network namespaces joined by a veth pair.
+"""Multi-node, for real: two hosts in two network namespaces on one switch (a testbed).
 
 Each "host" is a network namespace with its own veth address. They share this machine's hostname,
 which resolves to the loopback here, as it does on many real machines (Debian's 127.0.1.1 entry,
@@ -12,16 +12,11 @@ Nothing outside the two namespaces is addressed, and everything is torn down on 
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +24,9 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+
+from conftest import outputs, wait_all
+from distml.testbed import Host, Testbed
 
 pytestmark = [pytest.mark.netns, pytest.mark.distributed]
 
@@ -38,40 +36,11 @@ TRAIN_ARGS = ("--max-steps", "20", "--epochs", "1")
 RUN_TIMEOUT_S = 180
 SUBNET = "10.213.77"  # exists only inside the test's own namespaces
 PORT = 29531
-_counter = itertools.count()
 
 
 def _env() -> dict[str, str]:
     # The same environment for the reference and the multi-node run, so that the numerics match.
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-
-
-def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(args, capture_output=True, text=True, timeout=30)
-    if check and done.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed ({done.returncode}): {done.stderr}")
-    return done
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as exc:
-        return f"<{path}: {exc}>"
-    return "\n".join(text.splitlines()[-lines:])
-
-
-@dataclass
-class Host:
-    netns: str
-    ifname: str
-    addr: str
-    hostname: str
-
-
-@dataclass
-class Lan:
-    hosts: tuple[Host, Host]
 
 
 @dataclass
@@ -83,118 +52,26 @@ class Run:
     params: dict[str, torch.Tensor] = field(repr=False)
 
 
-def _require_netns() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces")
-    if shutil.which("ip") is None:
-        pytest.skip("needs `ip` (iproute2) on PATH")
-    probe = _sh("ip", "netns", "list", check=False)
-    if probe.returncode != 0:
-        pytest.skip(f"`ip netns` unavailable: {probe.stderr.strip()}")
-
-
-def _netns_pids(netns: str) -> list[int]:
-    out = _sh("ip", "netns", "pids", netns, check=False).stdout
-    return [int(p) for p in out.split() if p.isdigit()]
-
-
-def _kill_netns_processes(netns: str) -> None:
-    """Kill what is still running inside ``netns``: only processes this test started live there."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = _netns_pids(netns)
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and _netns_pids(netns):
-            time.sleep(0.1)
-
-
 @pytest.fixture
-def lan(tmp_path: Path) -> Iterator[Lan]:
-    """Two namespaces ``a`` and ``b`` joined by a veth pair, each with its own address."""
-    _require_netns()
-    tag = f"{os.getpid()}-{next(_counter)}"
-    # Interface names only exist inside their own namespace, so they need not be unique.
-    hosts = (
-        Host(f"distml-a-{tag}", "veth-a", f"{SUBNET}.1", f"node-a-{tag}"),
-        Host(f"distml-b-{tag}", "veth-b", f"{SUBNET}.2", f"node-b-{tag}"),
-    )
-    created: list[str] = []
-    try:
-        for h in hosts:
-            made = _sh("ip", "netns", "add", h.netns, check=False)
-            if made.returncode != 0:
-                pytest.skip(f"`ip netns add` failed: {made.stderr.strip()}")
-            created.append(h.netns)
-        a, b = hosts
-        # Created inside namespace a with its peer inside b: the pair never appears in the
-        # caller's namespace, and goes away with the namespaces.
-        _sh(
-            "ip", "-n", a.netns, "link", "add", a.ifname, "type", "veth",
-            "peer", "name", b.ifname, "netns", b.netns,
-        )  # fmt: skip
-        for h in hosts:
-            _sh("ip", "-n", h.netns, "link", "set", "lo", "up")
-            _sh("ip", "-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", h.ifname)
-            _sh("ip", "-n", h.netns, "link", "set", h.ifname, "up")
-        yield Lan(hosts)
-    finally:
-        for netns in created:
-            _kill_netns_processes(netns)
-            _sh("ip", "netns", "delete", netns, check=False)
-
-
-def _host_command(lan: Lan, host: Host, *argv: str) -> list[str]:
-    """``argv`` run on ``host``: inside its network namespace."""
-    return ["ip", "netns", "exec", host.netns, *argv]
+def lan(testbed_factory) -> Testbed:
+    """Two hosts on one switch, unshaped."""
+    return testbed_factory(2, subnet=SUBNET)
 
 
 def _distml(*args: str) -> list[str]:
     return [sys.executable, "-m", "distml", "run", *args, str(TRAIN), *TRAIN_ARGS]
 
 
-def _wait_all(procs: dict[str, tuple[subprocess.Popen, Path]], timeout: float) -> dict[str, str]:
-    """Wait for every process, killing its process group on timeout. Their outcomes, as
-    "exit code N" or "timed out"."""
-    deadline = time.monotonic() + timeout
-    codes: dict[str, str] = {}
-    try:
-        for name, (proc, _) in procs.items():
-            try:
-                code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-                codes[name] = f"exit code {code}"
-            except subprocess.TimeoutExpired:
-                codes[name] = f"timed out after {timeout:.0f} s, killed"
-    finally:
-        for proc, _ in procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
-    return codes
-
-
-def _start(argv: list[str], log: Path) -> tuple[subprocess.Popen, Path]:
+def _start(argv: list[str], log: Path, lan: Testbed | None = None, host: Host | None = None):
+    """``argv`` on ``host`` of ``lan`` (or here), its output in ``log``."""
+    if lan is not None:
+        return lan.popen(host, argv, log=log, env=_env(), cwd=ROOT), log
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             cwd=ROOT, env=_env(), start_new_session=True,
         )  # fmt: skip
     return proc, log
-
-
-def _outputs(procs: dict[str, tuple[subprocess.Popen, Path]], codes: dict[str, str]) -> str:
-    return "\n".join(
-        f"===== {name}: {codes.get(name)} (tail of {log}) =====\n{_tail(log)}"
-        for name, (_, log) in procs.items()
-    )
 
 
 def _load_run(run_dirs: list[Path], context: str) -> Run:
@@ -212,8 +89,8 @@ def reference(tmp_path_factory) -> Run:
     tmp = tmp_path_factory.mktemp("single-host")
     argv = _distml("--nproc", "2", "--run-name", "ref", "--runs-dir", str(tmp))
     procs = {"single-host": _start(argv, tmp / "out.log")}
-    codes = _wait_all(procs, RUN_TIMEOUT_S)
-    context = _outputs(procs, codes)
+    codes = wait_all(procs, RUN_TIMEOUT_S)
+    context = outputs(procs, codes)
     assert codes == {"single-host": "exit code 0"}, f"single-host run failed\n{context}"
     return _load_run([tmp / "ref"], context)
 
@@ -229,7 +106,7 @@ def pytorchjob_manifest() -> dict:
     return yaml.safe_load(block.group(1))
 
 
-def pytorchjob_commands(lan: Lan) -> list[tuple[list[str], list[str]]]:
+def pytorchjob_commands(lan: Testbed) -> list[tuple[list[str], list[str]]]:
     """Each replica's container command, and the variables training-operator gives it: the
     master's address and port, the node count and rank, and nprocPerNode, with the container's
     own (the rendezvous id)."""
@@ -247,7 +124,7 @@ def pytorchjob_commands(lan: Lan) -> list[tuple[list[str], list[str]]]:
 
 
 @pytest.mark.parametrize("rendezvous", ["c10d", "static", "slurm", "pytorchjob"])
-def test_two_hosts_train_like_one(lan: Lan, tmp_path: Path, reference: Run, rendezvous: str):
+def test_two_hosts_train_like_one(lan: Testbed, tmp_path: Path, reference: Run, rendezvous: str):
     endpoint = f"{lan.hosts[0].addr}:{PORT}"  # node a hosts the rendezvous
     # As srun sets it for each task: the node list in Slurm's compact form, as "10.213.77.[1,2]"
     octets = ",".join(h.addr.rsplit(".", 1)[1] for h in lan.hosts)
@@ -256,7 +133,7 @@ def test_two_hosts_train_like_one(lan: Lan, tmp_path: Path, reference: Run, rend
     for node_rank, host in enumerate(lan.hosts):
         args = [
             "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint,
-            "--run-name", "two-hosts", "--runs-dir", str(tmp_path / host.hostname),
+            "--run-name", "two-hosts", "--runs-dir", str(tmp_path / host.name),
         ]  # fmt: skip
         if rendezvous == "static":
             args += ["--node-rank", str(node_rank)]
@@ -272,21 +149,19 @@ def test_two_hosts_train_like_one(lan: Lan, tmp_path: Path, reference: Run, rend
             command, env = pytorchjob_commands(lan)[node_rank]
             assert command[:2] == ["distml", "run"] and command[3:] == list(TRAIN_ARGS)
             # No --run-name: each replica names its run itself; the manifest's id joins them.
-            folders = ["--runs-dir", str(tmp_path / host.hostname)]
+            folders = ["--runs-dir", str(tmp_path / host.name)]
             slurm = ["env", *env]
             argv = [sys.executable, "-m", "distml", "run", *folders, *command[2:]]
-        procs[host.hostname] = _start(
-            _host_command(lan, host, *slurm, *argv), tmp_path / f"{host.hostname}.log"
-        )
-    codes = _wait_all(procs, RUN_TIMEOUT_S)
-    context = _outputs(procs, codes)
-    assert codes == {h.hostname: "exit code 0" for h in lan.hosts}, f"a node failed\n{context}"
+        procs[host.name] = _start([*slurm, *argv], tmp_path / f"{host.name}.log", lan, host)
+    codes = wait_all(procs, RUN_TIMEOUT_S)
+    context = outputs(procs, codes)
+    assert codes == {h.name: "exit code 0" for h in lan.hosts}, f"a node failed\n{context}"
 
     # With c10d the node ranks follow the join order: rank 0 (and the run files) may be on
     # either host. With static rendezvous node a has rank 0.
-    run_dirs = [tmp_path / h.hostname / "two-hosts" for h in lan.hosts]
+    run_dirs = [tmp_path / h.name / "two-hosts" for h in lan.hosts]
     if rendezvous == "pytorchjob":  # each node's one run folder, whatever its name
-        run_dirs = [next((tmp_path / h.hostname).iterdir()) for h in lan.hosts]
+        run_dirs = [next((tmp_path / h.name).iterdir()) for h in lan.hosts]
     run = _load_run(run_dirs, context)
     if rendezvous != "c10d":  # static rendezvous: node a has rank 0
         assert run.run_dir == run_dirs[0], context
@@ -302,7 +177,7 @@ def test_two_hosts_train_like_one(lan: Lan, tmp_path: Path, reference: Run, rend
         torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_two_hosts_with_different_rdzv_ids_fail_at_once(lan: Lan, tmp_path: Path):
+def test_two_hosts_with_different_rdzv_ids_fail_at_once(lan: Testbed, tmp_path: Path):
     """Two hosts started with different --rdzv-id: each fails with both ids named and what
     to do, instead of waiting out the rendezvous to fail with a store error."""
     endpoint = f"{lan.hosts[0].addr}:{PORT}"
@@ -310,14 +185,12 @@ def test_two_hosts_with_different_rdzv_ids_fail_at_once(lan: Lan, tmp_path: Path
     for host, rdzv_id in zip(lan.hosts, ("job-a", "job-b"), strict=True):
         args = [
             "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
-            "--runs-dir", str(tmp_path / host.hostname),
+            "--runs-dir", str(tmp_path / host.name),
         ]  # fmt: skip
-        procs[host.hostname] = _start(
-            _host_command(lan, host, *_distml(*args)), tmp_path / f"{host.hostname}.log"
-        )
-    codes = _wait_all(procs, RUN_TIMEOUT_S)
-    context = _outputs(procs, codes)
-    assert codes == {h.hostname: "exit code 2" for h in lan.hosts}, context
+        procs[host.name] = _start(_distml(*args), tmp_path / f"{host.name}.log", lan, host)
+    codes = wait_all(procs, RUN_TIMEOUT_S)
+    context = outputs(procs, codes)
+    assert codes == {h.name: "exit code 2" for h in lan.hosts}, context
     for _, log in procs.values():
         text = " ".join(log.read_text().split())
         assert "'job-a'" in text and "'job-b'" in text, context

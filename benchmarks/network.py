@@ -1,0 +1,289 @@
+"""What each synchronisation strategy buys as the link between two hosts slows.
+
+    python benchmarks/network.py                              # 1gbit,200mbit,50mbit,10mbit
+    python benchmarks/network.py --rates 50mbit --strategies ddp,powersgd-r2 --timed-steps 8
+
+Two hosts of a :class:`distml.testbed.Testbed` (network namespaces on one switch, each link
+shaped with tc's token bucket), one worker each, through the multi-node path (``distml run
+--nnodes 2 --rdzv-endpoint``), train the GPT of examples/gpt (``benchmarks/network_train.py``)
+under each strategy: DDP, DDP with fp16 or PowerSGD (rank 2, 8) compression, Local SGD and
+DiLoCo (H = 8), FSDP, and a 2-stage 1F1B pipeline.
+
+Two measurements, because the link changes the time of a step and never its arithmetic:
+
+- **Loss per step**, once per strategy, on loopback: the validation loss every 8 steps up to
+  ``2 x --steps``. The target is the loss DDP reaches at ``--steps``.
+- **Time per step**, per strategy and link rate, on the testbed: ``--timed-steps`` steps (a
+  multiple of H, so Local SGD's syncs are in), samples/s from the run's summary.
+
+Time to target = the first evaluated step at or below the target (to 1e-3, the float noise
+between layouts of the same arithmetic) x the seconds a step takes at that rate. Since the loss
+per step does not depend on the link, ``--reuse`` takes the curves (and the rates not measured
+again) from the last results file, to remeasure some rates alone.
+
+Each worker gets the threads that let both share the cores once. Needs root, ip and tc (the
+testbed's requirements). Results: benchmarks/results/network.json and network.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import RESULTS_DIR, machine_info, print_table, scratch_dir, write_json
+
+from distml.config import GPTConfig
+from distml.models import GPT
+from distml.plan.sync import Sync, choose, step_seconds, steps_to_target, wire_bytes_per_step
+from distml.testbed import Testbed, rate_bits, unavailable
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "benchmarks" / "network_train.py"
+H = 8
+STRATEGIES: dict[str, list[str]] = {
+    "ddp": ["--strategy", "ddp"],
+    "ddp-fp16": ["--set", "strategy.compression=fp16"],
+    "powersgd-r2": ["--set", "strategy.compression=powersgd", "--set", "strategy.powersgd_rank=2"],
+    "powersgd-r8": ["--set", "strategy.compression=powersgd", "--set", "strategy.powersgd_rank=8"],
+    "local-sgd": ["--strategy", f"local-sgd:{H}"],
+    "diloco": [
+        "--strategy",
+        f"local-sgd:{H}",
+        "--set",
+        "strategy.outer_lr=0.7",
+        "--set",
+        "strategy.outer_momentum=0.9",
+    ],  # fmt: skip
+    "fsdp": ["--mesh", "fsdp=2"],
+    "pipeline": ["--mesh", "pp=2", "--schedule", "1f1b", "--microbatches", "4"],
+}
+SYNCS = {
+    "ddp": Sync("ddp"),
+    "ddp-fp16": Sync("ddp-fp16"),
+    "powersgd-r2": Sync("powersgd", rank=2),
+    "powersgd-r8": Sync("powersgd", rank=8),
+    "local-sgd": Sync("local-sgd", every=H),
+    "diloco": Sync("diloco", every=H),
+    "fsdp": Sync("fsdp"),
+    "pipeline": Sync("pipeline"),
+}
+RATES = ("1gbit", "200mbit", "50mbit", "10mbit")
+GLOBAL_BATCH = 16  # network_train.py's default
+
+
+def run_job(argv: list[str], log: Path, timeout: float, env: dict[str, str]) -> None:
+    with open(log, "wb") as out:
+        done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                              timeout=timeout)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}); log: {log}")
+
+
+def loss_curve(name: str, args: argparse.Namespace, runs: Path) -> list[tuple[int, float]]:
+    """Validation loss every H steps, on loopback (2 workers, one thread each)."""
+    argv = [
+        sys.executable, "-m", "distml", "run", "--nproc", "2", *STRATEGIES[name],
+        "--run-name", f"curve-{name}", "--runs-dir", str(runs), str(TRAIN),
+        "--steps", str(2 * args.steps), "--eval-every", str(H),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run_job(argv, runs / f"curve-{name}.log", args.timeout, env)
+    return [tuple(p) for p in json.loads((runs / f"curve-{name}" / "curve.json").read_text())]
+
+
+def timed_run(bed: Testbed, name: str, args: argparse.Namespace, runs: Path) -> dict[str, Any]:
+    """``--timed-steps`` steps of ``name`` across the testbed's two hosts: its summary."""
+    threads = bed.threads_per_worker(len(bed.hosts))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    tag = f"{name}-{bed.rate_bits:.0f}"
+    procs = []
+    for host in bed.hosts:
+        argv = [
+            sys.executable, "-m", "distml", "run", "--nnodes", str(len(bed.hosts)), "--nproc",
+            "1", "--rdzv-endpoint", f"{bed.hosts[0].addr}:29541", "--rdzv-id", tag,
+            "--run-name", tag, "--runs-dir", str(runs / host.name), *STRATEGIES[name],
+            str(TRAIN), "--steps", str(args.timed_steps),
+        ]  # fmt: skip
+        log = runs / f"{host.name}-{tag}.log"
+        procs.append((bed.popen(host, argv, log=log, env=env, cwd=ROOT), log))
+    for proc, log in procs:
+        try:
+            code = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+        if code != 0:
+            for p, _ in procs:
+                p.kill()
+            raise RuntimeError(f"{name} at {bed.rate_bits / 1e6:g} Mbit/s: {code}; log: {log}")
+    (summary,) = [json.loads(p.read_text()) for p in runs.glob(f"*/{tag}/summary.json")]
+    return summary
+
+
+def main() -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default=",".join(RATES), help="tc rates of the links")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--steps", type=int, default=96, help="DDP's steps that set the target")
+    parser.add_argument("--timed-steps", type=int, default=2 * H, help="steps a timed run")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
+    parser.add_argument(
+        "--reuse", action="store_true", help="the curves and other rates of the last results"
+    )
+    parser.add_argument("--report", action="store_true", help="only report the last results")
+    args = parser.parse_args()
+    if args.report:
+        results = json.loads((RESULTS_DIR / "network.json").read_text())
+        _report(results, results["args"]["strategies"].split(","))
+        return results
+    names = args.strategies.split(",")
+    unknown = set(names) - set(STRATEGIES)
+    if unknown:
+        parser.error(f"unknown strategies {sorted(unknown)}; known: {', '.join(STRATEGIES)}")
+    if (reason := unavailable()) is not None:
+        parser.error(f"the testbed cannot run here: {reason}")
+
+    previous: dict[str, Any] = {"curves": {}, "rates": {}}
+    if args.reuse:
+        previous = json.loads((RESULTS_DIR / "network.json").read_text())
+    with scratch_dir("distml-network-") as runs:
+        curves = {
+            name: previous["curves"].get(name) or loss_curve(name, args, runs)
+            for name in {"ddp", *names}
+        }
+        target = dict(curves["ddp"])[args.steps]
+        timed: dict[str, dict[str, Any]] = previous["rates"]
+        for rate in args.rates.split(","):
+            with Testbed(2, rate) as bed:
+                for name in names:
+                    summary = timed_run(bed, name, args, runs)
+                    step_s = summary["train_s"] / summary["steps"]
+                    reached = steps_to_target(curves[name], target)
+                    timed.setdefault(rate, {})[name] = {
+                        "measured": time.strftime("%Y-%m-%d %H:%M"),
+                        "samples_per_s": GLOBAL_BATCH / step_s,
+                        "step_s": step_s,
+                        "comm_s": summary["comm_s"] / summary["steps"],
+                        "wire_bytes_per_step": sum(summary["wire_bytes"].values())
+                        / summary["steps"],
+                        "steps_to_target": reached,
+                        "time_to_target_s": None if reached is None else reached * step_s,
+                    }
+                    print(f"{rate:>8} {name:<12} {GLOBAL_BATCH / step_s:8.1f} samples/s",
+                          flush=True)  # fmt: skip
+    results = {
+        "machine": machine_info(),
+        "args": vars(args),
+        "target_loss": target,
+        "curves": curves,
+        "rates": timed,
+    }
+    _report(results, names)
+    path = write_json("network", results)
+    print(f"results: {path}")
+    return results
+
+
+def _report(results: dict[str, Any], names: list[str]) -> None:
+    rates = sorted(results["rates"], key=rate_bits, reverse=True)
+    rows = []
+    for name in names:
+        cells = [name]
+        for rate in rates:
+            r = results["rates"][rate][name]
+            ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f}"
+            cells.append(f"{GLOBAL_BATCH / r['step_s']:.1f} / {ttt}")
+        final = results["curves"][name][-1][1]
+        cells.append(str(steps_to_target(results["curves"][name], results["target_loss"]) or "-"))
+        cells.append(f"{final:.3f}")
+        rows.append(cells)
+    print_table(
+        f"samples/s / seconds to validation loss {results['target_loss']:.3f}",
+        ["strategy", *rates, "steps to target", f"loss at {2 * results['args']['steps']}"],
+        rows,
+    )
+    _plot(results, names, rates)
+    _predictions(results, names, rates)
+
+
+def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) -> None:
+    """The planner's step times (distml.plan.sync) from the fastest rate's measured step, against
+    the measured ones; and the strategy it would choose at each rate, by predicted time to the
+    target, against the best measured."""
+    cfg = GPTConfig()
+    shapes = [tuple(p.shape) for p in GPT(cfg).parameters()]
+    boundary = GLOBAL_BATCH * cfg.seq_len * cfg.hidden * 4
+    steps = results["args"]["timed_steps"]
+    base = rates[0]
+    rows, errors = [], []
+    for name in names:
+        wire = wire_bytes_per_step(SYNCS[name], shapes, 2, steps=steps,
+                                   boundary_activation_bytes=boundary)  # fmt: skip
+        cells = [name]
+        for rate in rates:
+            measured = results["rates"][rate][name]["step_s"]
+            base_s = results["rates"][base][name]["step_s"]
+            predicted = step_seconds(base_s, wire, rate_bits(base), rate_bits(rate))
+            results["rates"][rate][name]["predicted_step_s"] = predicted
+            error = measured / predicted - 1  # samples/s: predicted over measured, minus 1
+            if rate != base:
+                errors.append(abs(error))
+            cells.append(f"{GLOBAL_BATCH / predicted:.1f} ({error:+.0%})")
+        rows.append(cells)
+    print_table(
+        f"predicted samples/s from the {base} step (error of the prediction); "
+        f"largest error {max(errors, default=0):.0%}",
+        ["strategy", *rates],
+        rows,
+    )
+    rows = []
+    for rate in rates:
+        measured = results["rates"][rate]
+        picked = choose(
+            {n: measured[n]["predicted_step_s"] for n in names},
+            {n: measured[n]["steps_to_target"] for n in names},
+        )[0].label
+        best = min((n for n in names if measured[n]["time_to_target_s"] is not None),
+                   key=lambda n: measured[n]["time_to_target_s"])  # fmt: skip
+        ratio = measured[picked]["time_to_target_s"] / measured[best]["time_to_target_s"]
+        rows.append([rate, picked, best, f"{ratio:.2f}"])
+    print_table(
+        "the planner's choice by predicted time to target vs the best measured",
+        ["rate", "chosen", "best measured", "chosen / best (time to target)"],
+        rows,
+    )
+
+
+def _plot(results: dict[str, Any], names: list[str], rates: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [rate_bits(r) / 1e6 for r in rates]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in names:
+        per_rate = [results["rates"][r][name] for r in rates]
+        left.plot(x, [GLOBAL_BATCH / p["step_s"] for p in per_rate], marker="o", label=name)
+        times = [p["time_to_target_s"] for p in per_rate]
+        if any(t is not None for t in times):
+            right.plot(x, [float("nan") if t is None else t for t in times], marker="o",
+                       label=name)  # fmt: skip
+    for ax, label in ((left, "samples/s"), (right, "seconds to the target loss")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("link rate, Mbit/s (each way)")
+        ax.set_ylabel(label)
+    left.legend(fontsize=8)
+    fig.suptitle("GPT (examples/gpt), 2 hosts x 1 worker, tc-shaped links")
+    RESULTS_DIR.mkdir(exist_ok=True)
+    fig.savefig(RESULTS_DIR / "network.png", dpi=120, bbox_inches="tight")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""How data-parallel replicas synchronise over a given link, and which way is fastest to a loss.
+
+Each synchronisation strategy moves a known number of bytes a step (ring collectives, one rank
+each way on every link; see :mod:`distml.comm.collectives`):
+
+- ``ddp``: all-reduce every fp32 gradient, ``2(N-1)/N x 4 P`` bytes;
+- ``ddp-fp16``: the same in fp16, half of it;
+- ``powersgd-rR``: torch's PowerSGD hook: after ``start_iter`` plain steps, each gradient
+  viewed as a matrix ``n x m`` travels as its factors ``(n + m) R`` when that is at most half
+  of ``n m`` (``min_compression_rate`` 2), as itself otherwise (vectors included);
+- ``local-sgd`` / ``diloco``: the parameters are averaged every ``H`` steps, ``1/H`` of DDP;
+- ``fsdp``: ZeRO-3, two all-gathers and one reduce-scatter, ``3 (N-1)/N x 4 P``;
+- ``pipeline``: the activations at the stage boundary forward and their gradients backward.
+
+A step then takes what it takes on a fast link plus what its bytes add at the slower rate
+(:func:`step_seconds`): the compute and the local work do not change with the link. Strategies
+that change the optimisation (PowerSGD's approximation, Local SGD's drift) need more steps to a
+given loss; :func:`choose` ranks them by predicted *time to the target*, steps x seconds, with
+the steps from a short measured probe of each strategy's loss curve.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+# TCP/IPv4 with timestamps carries 1448 payload bytes in every 1514-byte Ethernet frame: what
+# a shaped link's rate counts includes the headers.
+TCP_PAYLOAD_FRACTION = 1448 / 1514
+FP32 = 4
+
+
+def _ring(ranks: int) -> float:
+    return 2 * (ranks - 1) / ranks
+
+
+def powersgd_elements(
+    shapes: Iterable[Sequence[int]], rank: int, min_compression_rate: float = 2.0
+) -> int:
+    """Elements PowerSGD all-reduces a compressed step, as torch's hook decides them."""
+    total = 0
+    for shape in shapes:
+        n = shape[0] if shape else 1
+        m = math.prod(shape[1:]) if len(shape) > 1 else 1
+        r = min(n, m, rank)
+        compressed = (n + m) * r
+        total += compressed if compressed * min_compression_rate < n * m else n * m
+    return total
+
+
+@dataclass(frozen=True)
+class Sync:
+    """One way to synchronise: its name and its settings."""
+
+    name: str  # ddp, ddp-fp16, powersgd, local-sgd, diloco, fsdp, pipeline
+    rank: int = 2  # powersgd
+    start_iter: int = 2  # powersgd: plain all-reduce before this step
+    every: int = 8  # local-sgd, diloco: H
+
+    @property
+    def label(self) -> str:
+        return f"powersgd-r{self.rank}" if self.name == "powersgd" else self.name
+
+
+def wire_bytes_per_step(
+    sync: Sync,
+    shapes: Sequence[Sequence[int]],
+    ranks: int,
+    *,
+    steps: int,
+    boundary_activation_bytes: float = 0.0,
+) -> float:
+    """Bytes each rank sends a step (the mean over ``steps`` steps), one way on its link.
+
+    ``boundary_activation_bytes``: under ``pipeline``, one step's activations at the stage
+    boundary (global batch x sequence x hidden x 4 for fp32); the gradients go back the other
+    way, on the other direction of the link."""
+    params = sum(math.prod(s) for s in shapes)
+    full = _ring(ranks) * FP32 * params
+    if sync.name == "ddp":
+        return full
+    if sync.name == "ddp-fp16":
+        return full / 2
+    if sync.name == "powersgd":
+        plain = min(sync.start_iter, steps)
+        compressed = _ring(ranks) * FP32 * powersgd_elements(shapes, sync.rank)
+        return (plain * full + (steps - plain) * compressed) / steps
+    if sync.name in ("local-sgd", "diloco"):
+        return full / sync.every
+    if sync.name == "fsdp":
+        return 1.5 * full
+    if sync.name == "pipeline":
+        return boundary_activation_bytes
+    raise ValueError(f"unknown synchronisation {sync.name!r}")
+
+
+def step_seconds(
+    base_step_s: float, wire_bytes: float, base_rate_bits: float, rate_bits: float
+) -> float:
+    """A step's seconds on a link of ``rate_bits``, from one measured on ``base_rate_bits``: the
+    link's share grows by what the bytes take at the slower rate; the rest stays."""
+    per_byte = 8 / TCP_PAYLOAD_FRACTION
+    return base_step_s + wire_bytes * per_byte * (1 / rate_bits - 1 / base_rate_bits)
+
+
+def steps_to_target(curve: Sequence[tuple[int, float]], target: float, tol: float = 1e-3):
+    """The first evaluated step whose loss is at most ``target`` (+ ``tol``); None if none."""
+    return next((step for step, loss in curve if loss <= target + tol), None)
+
+
+@dataclass(frozen=True)
+class Choice:
+    label: str
+    step_s: float
+    steps: int | None
+    time_to_target_s: float | None
+
+
+def choose(step_s: Mapping[str, float], steps: Mapping[str, int | None]) -> list[Choice]:
+    """Every strategy with its predicted time to the target, fastest first (those that never
+    reach it last, by step time)."""
+    choices = [
+        Choice(label, s, steps.get(label), None if steps.get(label) is None else steps[label] * s)
+        for label, s in step_s.items()
+    ]
+    return sorted(
+        choices, key=lambda c: (c.time_to_target_s is None, c.time_to_target_s or c.step_s)
+    )

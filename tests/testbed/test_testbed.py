@@ -1,0 +1,122 @@
+"""The network testbed: hosts on one switch whose links carry what ``tc`` lets through (the
+oracle is the configured rate), torn down whatever happens, and a data-parallel job across two
+shaped hosts whose telemetry reports the link it ran over."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from conftest import outputs, wait_all
+from distml.testbed import Testbed, TestbedError, rate_bits
+
+ROOT = Path(__file__).resolve().parents[2]
+STREAM = Path(__file__).with_name("stream.py")
+TRAIN = ROOT / "examples" / "gpt" / "train.py"  # 3.5 MB of gradients a step, in large buckets
+
+
+def test_rates_read_as_tc_writes_them():
+    assert rate_bits("100mbit") == 100e6
+    assert rate_bits("1.5Gbit") == 1.5e9
+    assert rate_bits(" 10kbit ") == 10e3
+    assert rate_bits(2e6) == 2e6
+    for bad in ("fast", "10 MB", "-5mbit", "0mbit", "mbit", 0, -1.0):
+        with pytest.raises(ValueError):
+            rate_bits(bad)
+
+
+def namespaces() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def stream_rate(bed: Testbed, nbytes: int, tmp_path: Path) -> float:
+    """Bytes/s of one TCP stream from host 1 to host 0."""
+    a, b = bed.hosts[0], bed.hosts[1]
+    receiver = subprocess.Popen(
+        bed.command(a, [sys.executable, str(STREAM), "recv", a.addr, "5201", str(nbytes)]),
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert receiver.stdout.readline().strip() == "listening"
+        sender = bed.popen(b, [sys.executable, str(STREAM), "send", a.addr, "5201", str(nbytes)],
+                           log=tmp_path / "send.log")  # fmt: skip
+        assert sender.wait(timeout=120) == 0, (tmp_path / "send.log").read_text()
+        return float(receiver.stdout.readline())
+    finally:
+        receiver.kill()
+        receiver.wait()
+
+
+@pytest.mark.netns
+@pytest.mark.distributed
+@pytest.mark.parametrize(("rate", "seconds"), [("100mbit", 2.0), ("20mbit", 2.0)])
+def test_a_shaped_link_carries_its_rate(testbed_factory, tmp_path, rate, seconds):
+    bed = testbed_factory(2, rate)
+    link = bed.link_rate_bytes()
+    measured = stream_rate(bed, int(link * seconds), tmp_path)
+    # TCP/IP headers take about 3% of what tc counts; the bucket's burst adds a little.
+    assert 0.90 * link <= measured <= 1.05 * link, (rate, measured, link)
+
+
+@pytest.mark.netns
+@pytest.mark.distributed
+def test_the_testbed_is_gone_after_an_error_with_what_ran_inside(testbed_factory, tmp_path):
+    testbed_factory(1)  # only to skip where none can be built
+    bed = Testbed(2, "50mbit")
+    with pytest.raises(RuntimeError, match="a failing run"), bed:
+        made = {bed.switch, *(h.name for h in bed.hosts)}
+        assert made <= namespaces()
+        sleeper = bed.popen(bed.hosts[0], ["sleep", "600"], log=tmp_path / "sleep.log")
+        raise RuntimeError("a failing run")
+    assert sleeper.wait(timeout=30) is not None  # stopped, not orphaned
+    assert not made & namespaces()
+
+
+@pytest.mark.netns
+@pytest.mark.distributed
+def test_a_testbed_that_cannot_be_built_leaves_nothing(testbed_factory):
+    testbed_factory(1)
+    before = namespaces()
+    bed = Testbed(2, "50mbit", subnet="10.213.79")
+    bed.hosts[1] = replace(bed.hosts[1], name=bed.hosts[0].name)  # its namespace exists by then
+    with pytest.raises(TestbedError), bed:
+        pass
+    assert namespaces() == before
+
+
+@pytest.mark.netns
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_ddp_across_two_shaped_hosts_reports_the_links_time(testbed_factory, tmp_path):
+    """Two nodes, one worker each, at 50 Mbit/s: the communication time the run reports is what
+    its bytes take at the link's rate (ring all-reduce of 2: each rank sends and receives its
+    whole gradient once per step, both directions at once). The link is the bottleneck here,
+    so little of it overlaps the backward pass; TCP/IP headers add about 4% to what tc counts."""
+    bed = testbed_factory(2, "50mbit")
+    threads = bed.threads_per_worker(2)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    endpoint = f"{bed.hosts[0].addr}:29533"
+    procs = {}
+    for host in bed.hosts:
+        argv = [
+            sys.executable, "-m", "distml", "run", "--nnodes", "2", "--nproc", "1",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", "shaped", "--run-name", "shaped",
+            "--runs-dir", str(tmp_path / host.name), str(TRAIN), "--steps", "6",
+        ]  # fmt: skip
+        log = tmp_path / f"{host.name}.log"
+        procs[host.name] = (bed.popen(host, argv, log=log, env=env, cwd=ROOT), log)
+    codes = wait_all(procs, 300)
+    context = outputs(procs, codes)
+    assert set(codes.values()) == {"exit code 0"}, context
+    (summary_file,) = [p for p in tmp_path.glob("*/shaped/summary.json")]
+    summary = json.loads(summary_file.read_text())
+    sent = summary["wire_bytes"]["all_reduce"]
+    at_link_rate = sent / bed.link_rate_bytes()
+    assert summary["comm_s"] == pytest.approx(at_link_rate, rel=0.15), (summary, at_link_rate)
