@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from dataclasses import replace
 from pathlib import Path
 
@@ -120,3 +121,33 @@ def test_ddp_across_two_shaped_hosts_reports_the_links_time(testbed_factory, tmp
     sent = summary["wire_bytes"]["all_reduce"]
     at_link_rate = sent / bed.link_rate_bytes()
     assert summary["comm_s"] == pytest.approx(at_link_rate, rel=0.15), (summary, at_link_rate)
+
+
+@pytest.mark.netns
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_bench_across_two_hosts_measures_the_shaped_link_and_the_node_apart(
+    testbed_factory, tmp_path
+):
+    bed = testbed_factory(2, "100mbit")
+    env = {**os.environ, "OMP_NUM_THREADS": str(bed.threads_per_worker(4))}
+    procs = {}
+    for rank, host in enumerate(bed.hosts):
+        argv = [
+            sys.executable, "-m", "distml", "bench", "--nnodes", "2", "--nproc", "2",
+            "--node-rank", str(rank), "--rdzv-endpoint", f"{bed.hosts[0].addr}:29535",
+            "--out", str(tmp_path / f"{host.name}.toml"),
+        ]  # fmt: skip
+        log = tmp_path / f"{host.name}.log"
+        procs[host.name] = (bed.popen(host, argv, log=log, env=env, cwd=tmp_path), log)
+    codes = wait_all(procs, 300)
+    context = outputs(procs, codes)
+    assert set(codes.values()) == {"exit code 0"}, context
+    written = tomllib.loads((tmp_path / f"{bed.hosts[0].name}.toml").read_text())
+    assert not (tmp_path / f"{bed.hosts[1].name}.toml").exists()  # rank 0's node writes it
+    dev = written["device"]
+    assert written["devices"] == 4 and written["devices_per_node"] == 2
+    # Two ranks' all-reduce across the link: each sends its whole buffer one way; tc counts
+    # the TCP/IP headers too.
+    assert dev["inter_bw"] == pytest.approx(bed.link_rate_bytes(), rel=0.10), (dev, context)
+    assert dev["intra_bw"] > 5 * dev["inter_bw"]  # the node's own ranks talk unshaped

@@ -187,7 +187,17 @@ def plan(
 
 
 def bench(
-    nproc: Annotated[int, typer.Option(min=2, help="Worker processes (>= 2 for the network).")] = 2,
+    nproc: Annotated[
+        int, typer.Option(min=1, help="Worker processes on this node (a world of >= 2).")
+    ] = 2,
+    nnodes: Annotated[
+        int, typer.Option(min=1, help="Nodes: each runs this command (links apart).")
+    ] = 1,
+    rdzv_endpoint: Annotated[
+        str | None, typer.Option(help="HOST:PORT of the rendezvous, for more than one node.")
+    ] = None,
+    node_rank: Annotated[int | None, typer.Option(help="Fixed rank of this node.")] = None,
+    rdzv_id: Annotated[str | None, typer.Option(help="The same on every node.")] = None,
     out: Annotated[Path, typer.Option(help="Where to write the cluster file.")] = Path(
         "cluster.toml"
     ),
@@ -212,11 +222,15 @@ def bench(
 ) -> None:
     """Measure this machine (matmul FLOP/s, collectives, point-to-point bandwidth, latency,
     memory) and write a cluster file that `distml plan --cluster` and `distml run --strategy
-    auto` read; with --config, also profile that model's step for the planner."""
+    auto` read; with --config, also profile that model's step for the planner. With --nnodes,
+    run it on every node: the links inside a node and between nodes are measured apart, and
+    the node of rank 0 writes the file."""
     from distml.config import ConfigError, GPTConfig, load_config
     from distml.launch.api import launch
     from distml.plan.bench import measure, write_cluster_file
 
+    if nproc * nnodes < 2:
+        fail_usage("the network needs a world of at least 2 workers: raise --nproc or --nnodes")
     gpt, microbatches = None, 1
     if config is not None:
         try:
@@ -224,15 +238,26 @@ def bench(
         except ConfigError as exc:
             fail_usage(str(exc))
         gpt, microbatches = run.model or GPTConfig(), run.parallel.microbatches
-    result = launch(
-        lambda ctx: measure(
-            gpt=gpt, global_batch=global_batch, microbatches=microbatches, passes=passes
-        ),
-        nproc=nproc,
-        runs_dir=Path("runs"),
-        run_name=f"bench-{nproc}",
-        telemetry={"progress": False},
-    )
+    try:
+        result = launch(
+            lambda ctx: measure(
+                gpt=gpt, global_batch=global_batch, microbatches=microbatches, passes=passes
+            ),
+            nproc=nproc,
+            min_nodes=nnodes,
+            max_nodes=nnodes,
+            rdzv_endpoint=rdzv_endpoint,
+            node_rank=node_rank,
+            rdzv_id=rdzv_id,
+            runs_dir=Path("runs"),
+            run_name=f"bench-{nnodes}x{nproc}",
+            telemetry={"progress": False},
+        )
+    except ConfigError as exc:  # the nodes' settings do not fit together
+        fail_usage(str(exc))
+    if result is None:  # another node holds rank 0
+        Console().print("measured; the node of rank 0 writes the cluster file")
+        return
     write_cluster_file(result, out)
     dev = result["device"]
     Console().print(
@@ -240,6 +265,11 @@ def bench(
         f"{dev['intra_bw'] / 1e9:.2f} GB/s, point-to-point {result['measured']['p2p_bw'] / 1e9:.2f}"
         f" GB/s, latency {dev['latency_s'] * 1e6:.0f} us -> {out}"
     )
+    if nnodes > 1:
+        Console().print(
+            f"{nnodes} nodes x {result['devices_per_node']}: between nodes "
+            f"{dev['inter_bw'] / 1e6:.1f} MB/s, inside a node {dev['intra_bw'] / 1e6:.1f} MB/s"
+        )
     if gpt is not None:
         cal = result["calibration"]
         Console().print(

@@ -48,16 +48,54 @@ def matmul_flops(
     return 2 * n**3 * per_block / median_time(block, repeats)
 
 
+def bus_bandwidth(
+    device: torch.device, group: dist.ProcessGroup | None, sizes_mb=(1, 4, 16), repeats: int = 5
+) -> float:
+    """The all-reduce bus bandwidth of ``group`` (bytes/s): the best over ``sizes_mb``, each
+    size the median of ``repeats``. Every rank of the group calls it."""
+    ranks = dist.get_world_size(group)
+    best = 0.0
+    for mb in sizes_mb:
+        x = torch.ones(int(mb * 2**18), device=device)  # fp32: mb MiB
+        t = median_time(lambda x=x: dist.all_reduce(x, group=group), repeats)
+        best = max(best, 2 * (ranks - 1) / ranks * x.numel() * 4 / t)
+    return best
+
+
+def node_links(device: torch.device, sizes_mb=(0.25, 1, 4), repeats: int = 3) -> dict[str, Any]:
+    """Across nodes, the two kinds of link measured apart: inside each node (the node's ranks
+    together, every node at once) and between nodes (one rank a node, ``LOCAL_RANK`` 0). The
+    ranks of a node are consecutive, as torchrun's launcher numbers them. Every rank calls it;
+    ``intra_bw`` is None where a node has one rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    nodes = _nodes()
+    local = world // nodes
+    leaders = dist.new_group([node * local for node in range(nodes)])
+    inter = bus_bandwidth(device, leaders, sizes_mb, repeats) if rank % local == 0 else 0.0
+    dist.barrier()
+    intra = None
+    if local > 1:
+        own, _ = dist.new_subgroups(group_size=local)
+        intra = bus_bandwidth(device, own, sizes_mb, repeats)
+    out = torch.tensor([inter, intra or 0.0], dtype=torch.float64, device=device)
+    dist.broadcast(out, 0)
+    return {
+        "nodes": nodes,
+        "devices_per_node": local,
+        "inter_bw": out[0].item(),
+        "intra_bw": out[1].item() if local > 1 else None,
+    }
+
+
 def network(device: torch.device, sizes_mb=(1, 4, 16), repeats: int = 5) -> dict[str, float]:
     """All-reduce bus bandwidth, point-to-point bandwidth (ranks 0 and 1) and small-message
     latency, measured inside a running process group; the same result on every rank."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    bus, p2p = [], []
+    rank = dist.get_rank()
+    bus = bus_bandwidth(device, None, sizes_mb, repeats)
+    p2p = []
     for mb in sizes_mb:
-        x = torch.ones(mb * 2**18, device=device)  # fp32: mb MiB
+        x = torch.ones(int(mb * 2**18), device=device)  # fp32: mb MiB
         nbytes = x.numel() * 4
-        t = median_time(lambda x=x: dist.all_reduce(x), repeats)
-        bus.append(2 * (world - 1) / world * nbytes / t)
 
         def ping(x=x) -> None:
             if rank == 0:
@@ -70,7 +108,7 @@ def network(device: torch.device, sizes_mb=(1, 4, 16), repeats: int = 5) -> dict
         p2p.append(2 * nbytes / median_time(ping, repeats))
     tiny = torch.ones(1, device=device)
     latency = median_time(lambda: dist.all_reduce(tiny), repeats * 4)
-    out = torch.tensor([max(bus), max(p2p), latency], dtype=torch.float64, device=device)
+    out = torch.tensor([bus, max(p2p), latency], dtype=torch.float64, device=device)
     dist.broadcast(out, 0)
     return {"allreduce_bus_bw": out[0].item(), "p2p_bw": out[1].item(), "latency_s": out[2].item()}
 
@@ -129,8 +167,8 @@ def measure(
         sharded = sharded_profile_shapes(gpt, world, global_batch, microbatches)
         calibration = {"calibration": profile_gpt(gpt, shapes, sharded, device, passes=passes)}
         net = network_of(calibration["calibration"]["collectives"], world)
-    else:
-        net = network(device)
+    else:  # across nodes, smaller messages keep a slow link's measurement short
+        net = network(device, sizes_mb=(0.25, 1, 4) if _nodes() > 1 else (1, 4, 16))
     if device.type == "cuda":
         memory = torch.cuda.get_device_properties(device).total_memory
         name = torch.cuda.get_device_name(device)
@@ -139,21 +177,36 @@ def measure(
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / dist.get_world_size()
         name = "cpu"
         power = watts_per_core * torch.get_num_threads()
+    world = dist.get_world_size()
+    per_node, intra, inter = world, net["allreduce_bus_bw"], net["allreduce_bus_bw"]
+    measured: dict[str, Any] = {"p2p_bw": net["p2p_bw"], "matmul_n": matmul_n}
+    if _nodes() > 1:
+        links = node_links(device)
+        per_node, inter = links["devices_per_node"], links["inter_bw"]
+        # One rank a node measures no link inside a node: the planner then needs none.
+        intra = links["intra_bw"] if links["intra_bw"] is not None else inter
+        measured |= {"nodes": links["nodes"], "intra_measured": links["intra_bw"] is not None}
     return {
-        "devices": dist.get_world_size(),
-        "devices_per_node": dist.get_world_size(),
+        "devices": world,
+        "devices_per_node": per_node,
         "device": {
             "name": name,
             "memory_bytes": float(memory),
             "peak_flops": flops,
-            "intra_bw": net["allreduce_bus_bw"],
-            "inter_bw": net["allreduce_bus_bw"],
+            "intra_bw": intra,
+            "inter_bw": inter,
             "latency_s": net["latency_s"],
             "power_w": power,
         },
-        "measured": {"p2p_bw": net["p2p_bw"], "matmul_n": matmul_n},
+        "measured": measured,
         **calibration,
     }
+
+
+def _nodes() -> int:
+    """Nodes in the world: its ranks over the ranks of one node (torchrun's LOCAL_WORLD_SIZE)."""
+    world = dist.get_world_size()
+    return world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 def write_cluster_file(result: dict[str, Any], path: Path) -> Path:
