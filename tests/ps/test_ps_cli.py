@@ -98,10 +98,14 @@ def test_workers_train_against_standalone_shards(tmp_path):
 def test_digits_example_under_bsp_with_a_backup_worker(tmp_path):
     result = distml_cli(
         "run", "--strategy", "ps", "--nproc", "3", "--backup-workers", "1", "--servers", "2",
-        "--runs-dir", str(tmp_path), "--run-name", "backup",
+        "--runs-dir", str(tmp_path), "--run-name", "backup", "--log-dir", str(tmp_path / "logs"),
         str(EXAMPLES / "digits" / "train.py"), "--epochs", "1", "--max-steps", "12",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    # --log-dir holds the shards' and the workers' logs (worker 0 writes to the terminal).
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert logs == ["ps-shard-0.log", "ps-shard-1.log", "worker-1.log", "worker-2.log"]
+    assert not (tmp_path / "backup" / "logs").exists()
     summary = json.loads((tmp_path / "backup" / "summary.json").read_text())
     ps = summary["ps"]
     for shard, version in zip(ps["shards"], ps["versions"], strict=True):

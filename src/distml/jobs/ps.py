@@ -92,6 +92,7 @@ def run_ps_job(config: RunConfig, argv: list[str]) -> dict[str, Any]:
     token = os.environ.get(TOKEN_ENV) or (None if external else secrets.token_urlsafe(32))
     if not token:
         raise LaunchError([WorkerFailure(-1, 2, f"set {TOKEN_ENV} to the servers' token")], 0)
+    logs = config.log_dir or run_dir / "logs"  # --log-dir, as torchrun's workers' logs
     servers: list[Process] = []
     if external is None:
         for k in range(config.ps.servers):
@@ -100,7 +101,7 @@ def run_ps_job(config: RunConfig, argv: list[str]) -> dict[str, Any]:
             snapshot = run_dir / "ps" / f"shard-{k}.safetensors"
             servers.append(
                 Process(
-                    run_dir / "logs" / f"ps-shard-{k}.log",
+                    logs / f"ps-shard-{k}.log",
                     name=f"shard {k}",
                     argv=shard_argv(config_path, port, snapshot),
                     env={TOKEN_ENV: token, **PROCESS_ENV},
@@ -116,7 +117,7 @@ def run_ps_job(config: RunConfig, argv: list[str]) -> dict[str, Any]:
     first = (config.node_rank or 0) * config.nproc
     workers = [
         Process(
-            run_dir / "logs" / f"worker-{rank}.log",
+            logs / f"worker-{rank}.log",
             name=f"worker {rank}",
             argv=list(argv),
             env={
