@@ -92,6 +92,20 @@ def test_a_testbed_that_cannot_be_built_leaves_nothing(testbed_factory):
     assert namespaces() == before
 
 
+def run_on_every_host(bed: Testbed, argv_of, tmp_path: Path, threads: int, cwd=ROOT) -> str:
+    """``argv_of(rank, host)`` on each host at once, in ``cwd``; all must exit 0. Their logs'
+    tails."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    procs = {}
+    for rank, host in enumerate(bed.hosts):
+        log = tmp_path / f"{host.name}.log"
+        procs[host.name] = (bed.popen(host, argv_of(rank, host), log=log, env=env, cwd=cwd), log)
+    codes = wait_all(procs, 300)
+    context = outputs(procs, codes)
+    assert set(codes.values()) == {"exit code 0"}, context
+    return context
+
+
 @pytest.mark.netns
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
@@ -101,21 +115,16 @@ def test_ddp_across_two_shaped_hosts_reports_the_links_time(testbed_factory, tmp
     whole gradient once per step, both directions at once). The link is the bottleneck here,
     so little of it overlaps the backward pass; TCP/IP headers add about 4% to what tc counts."""
     bed = testbed_factory(2, "50mbit")
-    threads = bed.threads_per_worker(2)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     endpoint = f"{bed.hosts[0].addr}:29533"
-    procs = {}
-    for host in bed.hosts:
-        argv = [
+
+    def argv(rank, host):
+        return [
             sys.executable, "-m", "distml", "run", "--nnodes", "2", "--nproc", "1",
             "--rdzv-endpoint", endpoint, "--rdzv-id", "shaped", "--run-name", "shaped",
             "--runs-dir", str(tmp_path / host.name), str(TRAIN), "--steps", "6",
         ]  # fmt: skip
-        log = tmp_path / f"{host.name}.log"
-        procs[host.name] = (bed.popen(host, argv, log=log, env=env, cwd=ROOT), log)
-    codes = wait_all(procs, 300)
-    context = outputs(procs, codes)
-    assert set(codes.values()) == {"exit code 0"}, context
+
+    run_on_every_host(bed, argv, tmp_path, bed.threads_per_worker(2))
     (summary_file,) = [p for p in tmp_path.glob("*/shaped/summary.json")]
     summary = json.loads(summary_file.read_text())
     sent = summary["wire_bytes"]["all_reduce"]
@@ -130,19 +139,15 @@ def test_bench_across_two_hosts_measures_the_shaped_link_and_the_node_apart(
     testbed_factory, tmp_path
 ):
     bed = testbed_factory(2, "100mbit")
-    env = {**os.environ, "OMP_NUM_THREADS": str(bed.threads_per_worker(4))}
-    procs = {}
-    for rank, host in enumerate(bed.hosts):
-        argv = [
+
+    def argv(rank, host):
+        return [
             sys.executable, "-m", "distml", "bench", "--nnodes", "2", "--nproc", "2",
             "--node-rank", str(rank), "--rdzv-endpoint", f"{bed.hosts[0].addr}:29535",
             "--out", str(tmp_path / f"{host.name}.toml"),
         ]  # fmt: skip
-        log = tmp_path / f"{host.name}.log"
-        procs[host.name] = (bed.popen(host, argv, log=log, env=env, cwd=tmp_path), log)
-    codes = wait_all(procs, 300)
-    context = outputs(procs, codes)
-    assert set(codes.values()) == {"exit code 0"}, context
+
+    context = run_on_every_host(bed, argv, tmp_path, bed.threads_per_worker(4), cwd=tmp_path)
     written = tomllib.loads((tmp_path / f"{bed.hosts[0].name}.toml").read_text())
     assert not (tmp_path / f"{bed.hosts[1].name}.toml").exists()  # rank 0's node writes it
     dev = written["device"]
