@@ -222,7 +222,7 @@ def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) ->
     base = rates[0]
     rows, errors = [], []
     for name in names:
-        wire = wire_bytes_per_step(SYNCS[name], shapes, 2, steps=steps,
+        wire = wire_bytes_per_step(SYNCS[name], shapes, 2, steps=steps, gloo=True,
                                    boundary_activation_bytes=boundary)  # fmt: skip
         cells = [name]
         for rate in rates:

@@ -47,6 +47,14 @@ def test_bytes_follow_the_ring_formulas(ranks):
     assert wire_bytes_per_step(Sync("fsdp"), SHAPES, ranks, **kw) == pytest.approx(
         3 * (ranks - 1) / ranks * 4 * PARAMS
     )
+    # gloo all-reduces the gradients in place of the reduce-scatter.
+    assert wire_bytes_per_step(Sync("fsdp"), SHAPES, ranks, gloo=True, **kw) == pytest.approx(
+        4 * (ranks - 1) / ranks * 4 * PARAMS
+    )
+    activations = wire_bytes_per_step(
+        Sync("pipeline"), SHAPES, 2, boundary_activation_bytes=1e6, **kw
+    )
+    assert activations == 2e6  # forward, then the gradients back
     # PowerSGD: two plain steps, then the factors.
     low = 2 * (ranks - 1) / ranks * 4 * powersgd_elements(SHAPES, 2)
     assert wire_bytes_per_step(Sync("powersgd", rank=2), SHAPES, ranks, **kw) == pytest.approx(

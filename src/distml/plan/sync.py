@@ -9,8 +9,10 @@ each way on every link; see :mod:`distml.comm.collectives`):
   viewed as a matrix ``n x m`` travels as its factors ``(n + m) R`` when that is at most half
   of ``n m`` (``min_compression_rate`` 2), as itself otherwise (vectors included);
 - ``local-sgd`` / ``diloco``: the parameters are averaged every ``H`` steps, ``1/H`` of DDP;
-- ``fsdp``: ZeRO-3, two all-gathers and one reduce-scatter, ``3 (N-1)/N x 4 P``;
-- ``pipeline``: the activations at the stage boundary forward and their gradients backward.
+- ``fsdp``: ZeRO-3, two all-gathers and one reduce-scatter, ``3 (N-1)/N x 4 P``; on gloo,
+  which all-reduces for a reduce-scatter, ``4 (N-1)/N x 4 P``;
+- ``pipeline``: the activations at the stage boundary forward and their gradients backward,
+  one after the other (the schedule waits on each transfer in turn).
 
 A step then takes what it takes on a fast link plus what its bytes add at the slower rate
 (:func:`step_seconds`): the compute and the local work do not change with the link. Strategies
@@ -70,12 +72,15 @@ def wire_bytes_per_step(
     *,
     steps: int,
     boundary_activation_bytes: float = 0.0,
+    gloo: bool = False,
 ) -> float:
-    """Bytes each rank sends a step (the mean over ``steps`` steps), one way on its link.
+    """Bytes a step waits for on each rank's link (the mean over ``steps`` steps): what a ring
+    sends from each rank (both directions of every link busy at once), or a pipeline's
+    transfers end to end.
 
     ``boundary_activation_bytes``: under ``pipeline``, one step's activations at the stage
-    boundary (global batch x sequence x hidden x 4 for fp32); the gradients go back the other
-    way, on the other direction of the link."""
+    boundary (global batch x sequence x hidden x 4 for fp32); their gradients come back the
+    same size. ``gloo``: the backend has no reduce-scatter and all-reduces instead."""
     params = sum(math.prod(s) for s in shapes)
     full = _ring(ranks) * FP32 * params
     if sync.name == "ddp":
@@ -89,9 +94,9 @@ def wire_bytes_per_step(
     if sync.name in ("local-sgd", "diloco"):
         return full / sync.every
     if sync.name == "fsdp":
-        return 1.5 * full
+        return (2.0 if gloo else 1.5) * full
     if sync.name == "pipeline":
-        return boundary_activation_bytes
+        return 2 * boundary_activation_bytes
     raise ValueError(f"unknown synchronisation {sync.name!r}")
 
 
