@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,14 @@ from _common import RESULTS_DIR, machine_info, print_table, scratch_dir, write_j
 
 from distml.config import GPTConfig
 from distml.models import GPT
-from distml.plan.sync import Sync, choose, step_seconds, steps_to_target, wire_bytes_per_step
+from distml.plan.sync import (
+    Sync,
+    choose,
+    line_rate_bytes,
+    step_seconds,
+    steps_to_target,
+    wire_bytes_per_step,
+)
 from distml.testbed import Testbed, rate_bits, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,6 +133,24 @@ def timed_run(bed: Testbed, name: str, args: argparse.Namespace, runs: Path) -> 
     return summary
 
 
+def link_bandwidth(bed: Testbed, runs: Path, timeout: float) -> float:
+    """The all-reduce bandwidth between the testbed's two hosts, as ``distml bench --nnodes 2``
+    measures it and writes it to its cluster file (bytes/s)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    tag = f"bench-{bed.rate_bits:.0f}"
+    procs = []
+    for rank, host in enumerate(bed.hosts):
+        argv = [
+            sys.executable, "-m", "distml", "bench", "--nnodes", "2", "--nproc", "1",
+            "--node-rank", str(rank), "--rdzv-endpoint", f"{bed.hosts[0].addr}:29543",
+            "--out", str(runs / f"{tag}-{rank}.toml"),
+        ]  # fmt: skip
+        procs.append(bed.popen(host, argv, log=runs / f"{tag}-{rank}.log", env=env, cwd=runs))
+    if any(p.wait(timeout=timeout) != 0 for p in procs):
+        raise RuntimeError(f"distml bench at {bed.rate_bits / 1e6:g} Mbit/s failed; logs in {runs}")
+    return tomllib.loads((runs / f"{tag}-0.toml").read_text())["device"]["inter_bw"]
+
+
 def main() -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default=",".join(RATES), help="tc rates of the links")
@@ -136,6 +162,9 @@ def main() -> dict[str, Any]:
         "--reuse", action="store_true", help="the curves and other rates of the last results"
     )
     parser.add_argument("--report", action="store_true", help="only report the last results")
+    parser.add_argument(
+        "--links-only", action="store_true", help="with --reuse: measure the links alone"
+    )
     args = parser.parse_args()
     if args.report:
         results = json.loads((RESULTS_DIR / "network.json").read_text())
@@ -158,9 +187,12 @@ def main() -> dict[str, Any]:
         }
         target = dict(curves["ddp"])[args.steps]
         timed: dict[str, dict[str, Any]] = previous["rates"]
+        links: dict[str, float] = previous.get("links", {})
         for rate in args.rates.split(","):
             with Testbed(2, rate) as bed:
-                for name in names:
+                links[rate] = link_bandwidth(bed, runs, args.timeout)
+                print(f"{rate:>8} link: {links[rate] / 1e6:.2f} MB/s measured", flush=True)
+                for name in [] if args.links_only else names:
                     summary = timed_run(bed, name, args, runs)
                     step_s = summary["train_s"] / summary["steps"]
                     reached = steps_to_target(curves[name], target)
@@ -181,6 +213,7 @@ def main() -> dict[str, Any]:
         "args": vars(args),
         "target_loss": target,
         "curves": curves,
+        "links": links,
         "rates": timed,
     }
     _report(results, names)
@@ -212,7 +245,8 @@ def _report(results: dict[str, Any], names: list[str]) -> None:
 
 
 def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) -> None:
-    """The planner's step times (distml.plan.sync) from the fastest rate's measured step, against
+    """The planner's step times (distml.plan.sync) from the fastest rate's measured step and
+    each link's bandwidth as distml bench measured it (the line rate where it did not), against
     the measured ones; and the strategy it would choose at each rate, by predicted time to the
     target, against the best measured."""
     cfg = GPTConfig()
@@ -228,7 +262,9 @@ def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) ->
         for rate in rates:
             measured = results["rates"][rate][name]["step_s"]
             base_s = results["rates"][base][name]["step_s"]
-            predicted = step_seconds(base_s, wire, rate_bits(base), rate_bits(rate))
+            predicted = step_seconds(
+                base_s, wire, bandwidth(results, base), bandwidth(results, rate)
+            )
             results["rates"][rate][name]["predicted_step_s"] = predicted
             error = measured / predicted - 1  # samples/s: predicted over measured, minus 1
             if rate != base:
@@ -257,6 +293,11 @@ def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) ->
         ["rate", "chosen", "best measured", "chosen / best (time to target)"],
         rows,
     )
+
+
+def bandwidth(results: dict[str, Any], rate: str) -> float:
+    measured = results.get("links", {}).get(rate)
+    return measured if measured is not None else line_rate_bytes(rate_bits(rate))
 
 
 def _plot(results: dict[str, Any], names: list[str], rates: list[str]) -> None:
