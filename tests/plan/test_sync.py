@@ -14,6 +14,7 @@ from distml.plan.sync import (
     TCP_PAYLOAD_FRACTION,
     Sync,
     choose,
+    line_rate_bytes,
     powersgd_elements,
     step_seconds,
     steps_to_target,
@@ -65,9 +66,9 @@ def test_bytes_follow_the_ring_formulas(ranks):
 
 
 def test_a_slower_link_adds_what_the_bytes_take_at_its_rate():
-    assert step_seconds(0.3, 1e6, 1e9, 1e9) == 0.3
-    slow = step_seconds(0.3, 1e6, 1e9, 10e6)
-    assert slow == pytest.approx(0.3 + 8e6 / TCP_PAYLOAD_FRACTION * (1 / 10e6 - 1 / 1e9))
+    assert step_seconds(0.3, 1e6, 1e8, 1e8) == 0.3
+    assert step_seconds(0.3, 1e6, 1e8, 1e6) == pytest.approx(0.3 + 1.0 - 0.01)
+    assert line_rate_bytes(100e6) == pytest.approx(12.5e6 * TCP_PAYLOAD_FRACTION)
 
 
 def test_the_choice_is_the_fastest_to_the_target_not_the_fastest_step():

@@ -14,8 +14,10 @@ each way on every link; see :mod:`distml.comm.collectives`):
 - ``pipeline``: the activations at the stage boundary forward and their gradients backward,
   one after the other (the schedule waits on each transfer in turn).
 
-A step then takes what it takes on a fast link plus what its bytes add at the slower rate
-(:func:`step_seconds`): the compute and the local work do not change with the link. Strategies
+A step then takes what it takes on a fast link plus what its bytes add at the slower one
+(:func:`step_seconds`): the compute and the local work do not change with the link. Give it the
+links' bandwidth as ``distml bench --nnodes`` measures it (a collective over a slow link moves
+less than the line rate); :func:`line_rate_bytes` is the best a rate alone can say. Strategies
 that change the optimisation (PowerSGD's approximation, Local SGD's drift) need more steps to a
 given loss; :func:`choose` ranks them by predicted *time to the target*, steps x seconds, with
 the steps from a short measured probe of each strategy's loss curve.
@@ -100,13 +102,15 @@ def wire_bytes_per_step(
     raise ValueError(f"unknown synchronisation {sync.name!r}")
 
 
-def step_seconds(
-    base_step_s: float, wire_bytes: float, base_rate_bits: float, rate_bits: float
-) -> float:
-    """A step's seconds on a link of ``rate_bits``, from one measured on ``base_rate_bits``: the
-    link's share grows by what the bytes take at the slower rate; the rest stays."""
-    per_byte = 8 / TCP_PAYLOAD_FRACTION
-    return base_step_s + wire_bytes * per_byte * (1 / rate_bits - 1 / base_rate_bits)
+def line_rate_bytes(rate_bits: float) -> float:
+    """The payload bytes/s a link of ``rate_bits`` carries at best (TCP/IP over Ethernet)."""
+    return rate_bits / 8 * TCP_PAYLOAD_FRACTION
+
+
+def step_seconds(base_step_s: float, wire_bytes: float, base_bw: float, bw: float) -> float:
+    """A step's seconds on a link of ``bw`` bytes/s, from one measured on a link of ``base_bw``:
+    the link's share grows by what the bytes take at the slower rate; the rest stays."""
+    return base_step_s + wire_bytes * (1 / bw - 1 / base_bw)
 
 
 def steps_to_target(curve: Sequence[tuple[int, float]], target: float, tol: float = 1e-3):
