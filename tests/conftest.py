@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.util
 import os
 import subprocess
@@ -262,20 +263,15 @@ def testbed_factory():
     reason = unavailable()
     if reason is not None:
         pytest.skip(reason)
-    built = []
+    with contextlib.ExitStack() as built:
 
-    def make(hosts: int = 2, rate=None, **options) -> Testbed:
-        bed = Testbed(hosts, rate, **options)
-        try:
-            bed.__enter__()
-        except TestbedError as exc:
-            pytest.skip(f"cannot build the testbed: {exc}")
-        built.append(bed)
-        return bed
+        def make(hosts: int = 2, rate=None, **options) -> Testbed:
+            try:
+                return built.enter_context(Testbed(hosts, rate, **options))
+            except TestbedError as exc:
+                pytest.skip(f"cannot build the testbed: {exc}")
 
-    yield make
-    for bed in built:
-        bed.close()
+        yield make
 
 
 def tail(path: Path, lines: int = 40) -> str:
