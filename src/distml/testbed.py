@@ -3,8 +3,9 @@
 Each host is a network namespace with one interface, ``eth0``, whose peer sits on a bridge in a
 namespace of its own (a switch). Each host's link is rate-limited in both directions with
 ``tc``'s token bucket filter: the host's egress on ``eth0``, and the switch's egress on the
-host's port, each with a shallow queue (5 ms, as a switch port has). Processes run "on" a host through ``ip netns exec``; they reach each other at the
-hosts' addresses, and nothing outside the testbed's namespaces is ever addressed::
+host's port, each with a shallow queue (5 ms, as a switch port has). Processes run "on" a host
+through ``ip netns exec``; they reach each other at the hosts' addresses, and nothing outside
+the testbed's namespaces is ever addressed::
 
     with Testbed(hosts=2, rate="50mbit") as bed:
         bed.popen(bed.hosts[0], ["distml", "run", "--nnodes", "2", ...], log=...)
