@@ -105,30 +105,29 @@ def loss_curve(name: str, args: argparse.Namespace, runs: Path) -> list[tuple[in
     return [tuple(p) for p in json.loads((runs / f"curve-{name}" / "curve.json").read_text())]
 
 
+def run_everywhere(bed: Testbed, argv_of, logs: Path, timeout: float, threads: int, cwd: Path):
+    """``argv_of(rank, host)`` on every host at once; raises unless all exit 0."""
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    codes = bed.run_everywhere(argv_of, logs=logs, timeout=timeout, env=env, cwd=cwd)
+    if set(codes.values()) != {0}:
+        raise RuntimeError(f"at {bed.rate_bits / 1e6:g} Mbit/s: exit codes {codes}; logs in {logs}")
+
+
 def timed_run(bed: Testbed, name: str, args: argparse.Namespace, runs: Path) -> dict[str, Any]:
     """``--timed-steps`` steps of ``name`` across the testbed's two hosts: its summary."""
-    threads = bed.threads_per_worker(len(bed.hosts))
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     tag = f"{name}-{bed.rate_bits:.0f}"
-    procs = []
-    for host in bed.hosts:
-        argv = [
+
+    def argv(rank: int, host) -> list[str]:
+        return [
             sys.executable, "-m", "distml", "run", "--nnodes", str(len(bed.hosts)), "--nproc",
             "1", "--rdzv-endpoint", f"{bed.hosts[0].addr}:29541", "--rdzv-id", tag,
             "--run-name", tag, "--runs-dir", str(runs / host.name), *STRATEGIES[name],
             str(TRAIN), "--steps", str(args.timed_steps),
         ]  # fmt: skip
-        log = runs / f"{host.name}-{tag}.log"
-        procs.append((bed.popen(host, argv, log=log, env=env, cwd=ROOT), log))
-    for proc, log in procs:
-        try:
-            code = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            code = "timeout"
-        if code != 0:
-            for p, _ in procs:
-                p.kill()
-            raise RuntimeError(f"{name} at {bed.rate_bits / 1e6:g} Mbit/s: {code}; log: {log}")
+
+    threads = bed.threads_per_worker(len(bed.hosts))
+    run_everywhere(bed, argv, runs / f"logs-{tag}", args.timeout, threads, ROOT)
     (summary,) = [json.loads(p.read_text()) for p in runs.glob(f"*/{tag}/summary.json")]
     return summary
 
@@ -136,18 +135,16 @@ def timed_run(bed: Testbed, name: str, args: argparse.Namespace, runs: Path) -> 
 def link_bandwidth(bed: Testbed, runs: Path, timeout: float) -> float:
     """The all-reduce bandwidth between the testbed's two hosts, as ``distml bench --nnodes 2``
     measures it and writes it to its cluster file (bytes/s)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tag = f"bench-{bed.rate_bits:.0f}"
-    procs = []
-    for rank, host in enumerate(bed.hosts):
-        argv = [
+
+    def argv(rank: int, host) -> list[str]:
+        return [
             sys.executable, "-m", "distml", "bench", "--nnodes", "2", "--nproc", "1",
             "--node-rank", str(rank), "--rdzv-endpoint", f"{bed.hosts[0].addr}:29543",
             "--out", str(runs / f"{tag}-{rank}.toml"),
         ]  # fmt: skip
-        procs.append(bed.popen(host, argv, log=runs / f"{tag}-{rank}.log", env=env, cwd=runs))
-    if any(p.wait(timeout=timeout) != 0 for p in procs):
-        raise RuntimeError(f"distml bench at {bed.rate_bits / 1e6:g} Mbit/s failed; logs in {runs}")
+
+    run_everywhere(bed, argv, runs / f"logs-{tag}", timeout, 1, runs)
     return tomllib.loads((runs / f"{tag}-0.toml").read_text())["device"]["inter_bw"]
 
 

@@ -29,7 +29,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,6 +197,37 @@ class Testbed:
                 stdin=subprocess.DEVNULL, env=None if env is None else dict(env), cwd=cwd,
                 start_new_session=True,
             )  # fmt: skip
+
+    def run_everywhere(
+        self,
+        argv_of: Callable[[int, Host], Sequence[str]],
+        *,
+        logs: Path,
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> dict[str, int | None]:
+        """``argv_of(rank, host)`` on every host at once, each one's output in
+        ``logs/<host>.log``; waits up to ``timeout`` seconds in all, then stops what still
+        runs. Each host's exit code (None: stopped at the timeout)."""
+        procs = {
+            host.name: self.popen(
+                host, argv_of(rank, host), log=logs / f"{host.name}.log", env=env, cwd=cwd
+            )
+            for rank, host in enumerate(self.hosts)
+        }
+        deadline = time.monotonic() + timeout
+        codes: dict[str, int | None] = {}
+        for name, proc in procs.items():
+            try:
+                codes[name] = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                codes[name] = None
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the workers go too
+                proc.wait()
+        return codes
 
 
 def kill_processes_in(netns: str, grace_s: float = 5.0) -> None:

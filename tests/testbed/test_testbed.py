@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import outputs, wait_all
+from conftest import outputs
 from distml.plan.sync import line_rate_bytes
 from distml.testbed import Testbed, TestbedError, rate_bits
 
@@ -99,13 +99,10 @@ def run_on_every_host(bed: Testbed, argv_of, tmp_path: Path, threads: int, cwd=R
     """``argv_of(rank, host)`` on each host at once, in ``cwd``; all must exit 0. Their logs'
     tails."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    procs = {}
-    for rank, host in enumerate(bed.hosts):
-        log = tmp_path / f"{host.name}.log"
-        procs[host.name] = (bed.popen(host, argv_of(rank, host), log=log, env=env, cwd=cwd), log)
-    codes = wait_all(procs, 300)
-    context = outputs(procs, codes)
-    assert set(codes.values()) == {"exit code 0"}, context
+    codes = bed.run_everywhere(argv_of, logs=tmp_path, timeout=300, env=env, cwd=cwd)
+    logs = {name: (None, tmp_path / f"{name}.log") for name in codes}
+    context = outputs(logs, {name: f"exit code {code}" for name, code in codes.items()})
+    assert set(codes.values()) == {0}, context
     return context
 
 
