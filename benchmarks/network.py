@@ -13,13 +13,20 @@ Two measurements, because the link changes the time of a step and never its arit
 
 - **Loss per step**, once per strategy, on loopback: the validation loss every 8 steps up to
   ``2 x --steps``. The target is the loss DDP reaches at ``--steps``.
-- **Time per step**, per strategy and link rate, on the testbed: ``--timed-steps`` steps (a
-  multiple of H, so Local SGD's syncs are in), samples/s from the run's summary.
+- **Time per step**, per strategy and link rate, on the testbed: ``--timed-steps`` steps, from
+  the run's ``metrics.jsonl``: the first two (start-up, and PowerSGD's plain all-reduce before
+  its ``start_iter``) timed apart, then the steady step, the mean of the rest (a multiple of H,
+  so Local SGD's syncs are in at their share); samples/s from the steady step.
 
 Time to target = the first evaluated step at or below the target (to 1e-3, the float noise
-between layouts of the same arithmetic) x the seconds a step takes at that rate. Since the loss
-per step does not depend on the link, ``--reuse`` takes the curves (and the rates not measured
-again) from the last results file, to remeasure some rates alone.
+between layouts of the same arithmetic): the first two steps as they took, the rest at the
+steady step. Since the loss per step does not depend on the link, ``--reuse`` takes the curves
+(and the rates not measured again) from the last results file, to remeasure some rates alone.
+
+Two choices are set against the best measured time to target at each rate: the planner's with
+the measured loss curves (``distml.plan.sync.choose``), and ``distml run --strategy auto``'s,
+from the cluster file ``distml bench --nnodes 2`` wrote on that link and the stated rule for the
+steps (``distml.plan.auto.choose_layout``, the very function the run calls).
 
 Each worker gets the threads that let both share the cores once. Needs root, ip and tc (the
 testbed's requirements). Results: benchmarks/results/network.json and network.png.
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -41,7 +49,10 @@ from _common import RESULTS_DIR, machine_info, print_table, scratch_dir, write_j
 
 from distml.config import GPTConfig
 from distml.models import GPT
+from distml.plan.auto import choose_layout, gpt_params, is_replicas
+from distml.plan.bench import cluster_from_dict
 from distml.plan.sync import (
+    AUTO_SYNCS,
     Sync,
     choose,
     line_rate_bytes,
@@ -54,6 +65,8 @@ from distml.testbed import Testbed, rate_bits, unavailable
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "benchmarks" / "network_train.py"
 H = 8
+WARMUP = 2  # steps timed apart: start-up, and PowerSGD's plain steps (its start_iter)
+MICROBATCHES = 4  # the pipeline's
 STRATEGIES: dict[str, list[str]] = {
     "ddp": ["--strategy", "ddp"],
     "ddp-fp16": ["--set", "strategy.compression=fp16"],
@@ -69,7 +82,7 @@ STRATEGIES: dict[str, list[str]] = {
         "strategy.outer_momentum=0.9",
     ],  # fmt: skip
     "fsdp": ["--mesh", "fsdp=2"],
-    "pipeline": ["--mesh", "pp=2", "--schedule", "1f1b", "--microbatches", "4"],
+    "pipeline": ["--mesh", "pp=2", "--schedule", "1f1b", "--microbatches", str(MICROBATCHES)],
 }
 SYNCS = {
     "ddp": Sync("ddp"),
@@ -115,7 +128,8 @@ def run_everywhere(bed: Testbed, argv_of, logs: Path, timeout: float, threads: i
 
 
 def timed_run(bed: Testbed, name: str, args: argparse.Namespace, runs: Path) -> dict[str, Any]:
-    """``--timed-steps`` steps of ``name`` across the testbed's two hosts: its summary."""
+    """``--timed-steps`` steps of ``name`` across the testbed's two hosts: its summary, and
+    each step's seconds (the slowest rank's) from its metrics stream."""
     tag = f"{name}-{bed.rate_bits:.0f}"
 
     def argv(rank: int, host) -> list[str]:
@@ -128,13 +142,19 @@ def timed_run(bed: Testbed, name: str, args: argparse.Namespace, runs: Path) -> 
 
     threads = bed.threads_per_worker(len(bed.hosts))
     run_everywhere(bed, argv, runs / f"logs-{tag}", args.timeout, threads, ROOT)
-    (summary,) = [json.loads(p.read_text()) for p in runs.glob(f"*/{tag}/summary.json")]
-    return summary
+    (folder,) = [p.parent for p in runs.glob(f"*/{tag}/summary.json")]
+    summary = json.loads((folder / "summary.json").read_text())
+    steps: dict[int, float] = {}
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "step_s" in rec:
+            steps[rec["step"]] = max(steps.get(rec["step"], 0.0), rec["step_s"])
+    return summary | {"step_times": [steps[k] for k in sorted(steps)]}
 
 
-def link_bandwidth(bed: Testbed, runs: Path, timeout: float) -> float:
-    """The all-reduce bandwidth between the testbed's two hosts, as ``distml bench --nnodes 2``
-    measures it and writes it to its cluster file (bytes/s)."""
+def link_cluster(bed: Testbed, runs: Path, timeout: float) -> dict[str, Any]:
+    """The cluster file ``distml bench --nnodes 2`` writes on the testbed's two hosts (its
+    ``device.inter_bw``: the all-reduce bandwidth between them, bytes/s)."""
     tag = f"bench-{bed.rate_bits:.0f}"
 
     def argv(rank: int, host) -> list[str]:
@@ -145,7 +165,7 @@ def link_bandwidth(bed: Testbed, runs: Path, timeout: float) -> float:
         ]  # fmt: skip
 
     run_everywhere(bed, argv, runs / f"logs-{tag}", timeout, 1, runs)
-    return tomllib.loads((runs / f"{tag}-0.toml").read_text())["device"]["inter_bw"]
+    return tomllib.loads((runs / f"{tag}-0.toml").read_text())
 
 
 def main() -> dict[str, Any]:
@@ -153,7 +173,8 @@ def main() -> dict[str, Any]:
     parser.add_argument("--rates", default=",".join(RATES), help="tc rates of the links")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--steps", type=int, default=96, help="DDP's steps that set the target")
-    parser.add_argument("--timed-steps", type=int, default=2 * H, help="steps a timed run")
+    parser.add_argument("--timed-steps", type=int, default=WARMUP + 2 * H,
+                        help="steps a timed run")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
     parser.add_argument(
         "--reuse", action="store_true", help="the curves and other rates of the last results"
@@ -184,24 +205,29 @@ def main() -> dict[str, Any]:
         }
         target = dict(curves["ddp"])[args.steps]
         timed: dict[str, dict[str, Any]] = previous["rates"]
-        links: dict[str, float] = previous.get("links", {})
+        clusters: dict[str, dict[str, Any]] = previous.get("clusters", {})
         for rate in args.rates.split(","):
             with Testbed(2, rate) as bed:
-                links[rate] = link_bandwidth(bed, runs, args.timeout)
-                print(f"{rate:>8} link: {links[rate] / 1e6:.2f} MB/s measured", flush=True)
+                clusters[rate] = link_cluster(bed, runs, args.timeout)
+                print(f"{rate:>8} link: {bandwidth(clusters, rate) / 1e6:.2f} MB/s measured",
+                      flush=True)  # fmt: skip
                 for name in [] if args.links_only else names:
                     summary = timed_run(bed, name, args, runs)
-                    step_s = summary["train_s"] / summary["steps"]
+                    times = summary["step_times"]
+                    warmup_s, step_s = sum(times[:WARMUP]), statistics.mean(times[WARMUP:])
                     reached = steps_to_target(curves[name], target)
                     timed.setdefault(rate, {})[name] = {
                         "measured": time.strftime("%Y-%m-%d %H:%M"),
                         "samples_per_s": GLOBAL_BATCH / step_s,
                         "step_s": step_s,
+                        "warmup_s": warmup_s,
                         "comm_s": summary["comm_s"] / summary["steps"],
                         "wire_bytes_per_step": sum(summary["wire_bytes"].values())
                         / summary["steps"],
                         "steps_to_target": reached,
-                        "time_to_target_s": None if reached is None else reached * step_s,
+                        "time_to_target_s": None
+                        if reached is None
+                        else warmup_s + (reached - WARMUP) * step_s,
                     }
                     print(f"{rate:>8} {name:<12} {GLOBAL_BATCH / step_s:8.1f} samples/s",
                           flush=True)  # fmt: skip
@@ -210,11 +236,12 @@ def main() -> dict[str, Any]:
         "args": vars(args),
         "target_loss": target,
         "curves": curves,
-        "links": links,
+        "clusters": clusters,
         "rates": timed,
     }
-    _report(results, names)
     path = write_json("network", results)
+    _report(results, names)
+    write_json("network", results)  # with the predictions
     print(f"results: {path}")
     return results
 
@@ -242,25 +269,25 @@ def _report(results: dict[str, Any], names: list[str]) -> None:
 
 
 def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) -> None:
-    """The planner's step times (distml.plan.sync) from the fastest rate's measured step and
-    each link's bandwidth as distml bench measured it (the line rate where it did not), against
-    the measured ones; and the strategy it would choose at each rate, by predicted time to the
-    target, against the best measured."""
+    """The planner's steady step times (distml.plan.sync) from the fastest rate's measured step
+    and each link's bandwidth as distml bench measured it (the line rate where it did not),
+    against the measured ones; then the two choices at each rate against the best measured
+    time to target."""
     cfg = GPTConfig()
     shapes = [tuple(p.shape) for p in GPT(cfg).parameters()]
     boundary = GLOBAL_BATCH * cfg.seq_len * cfg.hidden * 4
-    steps = results["args"]["timed_steps"]
     base = rates[0]
+    clusters = results.get("clusters", {})
     rows, errors = [], []
     for name in names:
-        wire = wire_bytes_per_step(SYNCS[name], shapes, 2, steps=steps, gloo=True,
+        wire = wire_bytes_per_step(SYNCS[name], shapes, 2, steps=10**6, gloo=True,
                                    boundary_activation_bytes=boundary)  # fmt: skip
         cells = [name]
         for rate in rates:
             measured = results["rates"][rate][name]["step_s"]
             base_s = results["rates"][base][name]["step_s"]
             predicted = step_seconds(
-                base_s, wire, bandwidth(results, base), bandwidth(results, rate)
+                base_s, wire, bandwidth(clusters, base), bandwidth(clusters, rate)
             )
             results["rates"][rate][name]["predicted_step_s"] = predicted
             error = measured / predicted - 1  # samples/s: predicted over measured, minus 1
@@ -277,24 +304,49 @@ def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) ->
     rows = []
     for rate in rates:
         measured = results["rates"][rate]
-        picked = choose(
+        reach = [n for n in names if measured[n]["time_to_target_s"] is not None]
+        best = min(reach, key=lambda n: measured[n]["time_to_target_s"])
+        probed = choose(
             {n: measured[n]["predicted_step_s"] for n in names},
             {n: measured[n]["steps_to_target"] for n in names},
         )[0].label
-        best = min((n for n in names if measured[n]["time_to_target_s"] is not None),
-                   key=lambda n: measured[n]["time_to_target_s"])  # fmt: skip
-        ratio = measured[picked]["time_to_target_s"] / measured[best]["time_to_target_s"]
-        rows.append([rate, picked, best, f"{ratio:.2f}"])
+        auto = auto_choice(clusters[rate]) if rate in clusters else "-"
+        cells = [rate, best]
+        for pick in (probed, auto):
+            if pick in reach:
+                ratio = measured[pick]["time_to_target_s"] / measured[best]["time_to_target_s"]
+                cells += [pick, f"{ratio:.2f}"]
+            else:
+                cells += [pick, "not measured"]
+        rows.append(cells)
     print_table(
-        "the planner's choice by predicted time to target vs the best measured",
-        ["rate", "chosen", "best measured", "chosen / best (time to target)"],
+        "the choices by predicted time to target vs the best measured (time to target, "
+        "chosen / best)",
+        ["rate", "best measured", "measured curves", "ratio", "--strategy auto", "ratio"],
         rows,
     )
 
 
-def bandwidth(results: dict[str, Any], rate: str) -> float:
-    measured = results.get("links", {}).get(rate)
-    return measured if measured is not None else line_rate_bytes(rate_bits(rate))
+def auto_choice(cluster: dict[str, Any]) -> str:
+    """What ``distml run --strategy auto`` picks on this cluster file for the benchmark's GPT
+    and batch: one of the benchmark's strategy names, or the layout when it is none of them."""
+    cfg = GPTConfig()
+    best = choose_layout(cfg, cluster_from_dict(cluster), global_batch=GLOBAL_BATCH,
+                         microbatches=MICROBATCHES, n_params=gpt_params(cfg),
+                         syncs=AUTO_SYNCS).ranked[0]  # fmt: skip
+    layout = best.layout
+    if is_replicas(layout):
+        return best.sync.label
+    if layout.zero == 3 and layout.data_parallel == 2:
+        return "fsdp"
+    if layout.pp == 2:
+        return "pipeline"
+    return str(layout)
+
+
+def bandwidth(clusters: dict[str, dict[str, Any]], rate: str) -> float:
+    measured = clusters.get(rate)
+    return measured["device"]["inter_bw"] if measured else line_rate_bytes(rate_bits(rate))
 
 
 def _plot(results: dict[str, Any], names: list[str], rates: list[str]) -> None:

@@ -12,11 +12,12 @@ from typer.testing import CliRunner
 
 from conftest import distml_cli
 from distml.cli.main import app
-from distml.config import ConfigError, GPTConfig, ParallelConfig
+from distml.config import ConfigError, GPTConfig, ParallelConfig, StrategyConfig
 from distml.layout import Layout
 from distml.models import GPT
-from distml.plan.auto import choose_layout, gpt_params
+from distml.plan.auto import DDP, choose_layout, gpt_params, is_replicas
 from distml.plan.bench import read_cluster_file
+from distml.plan.sync import AUTO_SYNCS, STEPS_RULE, Sync, sync_of
 
 GPT_EXAMPLE = str(Path(__file__).parents[2] / "examples" / "gpt" / "train.py")
 
@@ -75,8 +76,8 @@ def test_memory_decides_and_a_model_that_fits_nowhere_is_refused(tmp_path):
     # With room, replicas win; with 12 MB a device, only a layout that splits the model fits.
     assert big.mesh == {"dp": 2} and len(big.ranked) > 1 and not big.too_big
     assert small.mesh != {"dp": 2} and small.too_big
-    assert all(p.memory_bytes["total"] <= 12e6 for p in small.ranked)
-    assert small.prediction is small.ranked[0]
+    assert all(o.prediction.memory_bytes["total"] <= 12e6 for o in small.ranked)
+    assert small.prediction is small.ranked[0].prediction
     with pytest.raises(ConfigError, match=r"fits this model in 1\.0 MB per device"):
         choose_layout(
             cfg,
@@ -85,6 +86,38 @@ def test_memory_decides_and_a_model_that_fits_nowhere_is_refused(tmp_path):
             microbatches=8,
             n_params=n,
         )
+
+
+def test_the_link_decides_how_replicas_synchronise(tmp_path):
+    """On a link where DDP's all-reduce takes microseconds, sending less gains nothing that
+    costs steps: the pick loses no steps to DDP and is within 0.1% of its time. On a 1 MB/s
+    link every lighter synchronisation beats DDP, and the pick is the fastest to a loss, not
+    the fastest step."""
+    cfg, n = GPTConfig(), gpt_params(GPTConfig())
+
+    def choose(bandwidth, syncs=AUTO_SYNCS):
+        cluster = read_cluster_file(cluster_file(tmp_path / "c.toml", 6e9, bandwidth=bandwidth))
+        return choose_layout(cfg, cluster, global_batch=16, microbatches=8, n_params=n,
+                             syncs=syncs)  # fmt: skip
+
+    fast = choose(1e12)
+    ddp = next(o for o in fast.ranked if is_replicas(o.layout) and o.sync == DDP)
+    assert fast.mesh == {"dp": 2} and fast.ranked[0].steps_factor == 1.0
+    assert fast.ranked[0].time_to_loss_s == pytest.approx(ddp.time_to_loss_s, rel=1e-3)
+    slow = choose(1e6)
+    replicas = {o.sync.label: o for o in slow.ranked if is_replicas(o.layout)}
+    assert set(replicas) == {s.label for s in AUTO_SYNCS}
+    assert slow.mesh == {"dp": 2} and slow.sync != DDP
+    for option in replicas.values():
+        assert option.steps_factor == STEPS_RULE[option.sync.name]
+        assert option.time_to_loss_s == option.prediction.step_time_s * option.steps_factor
+        assert option.prediction.step_time_s <= replicas["ddp"].prediction.step_time_s
+    ranked = [o.time_to_loss_s for o in slow.ranked]
+    assert ranked == sorted(ranked)
+    # Without choices of synchronisation, every replica layout is DDP's.
+    assert all(o.sync == DDP for o in choose(1e6, (DDP,)).ranked)
+    only = choose(1e6, (Sync("local-sgd", every=4),))
+    assert {o.sync.label for o in only.ranked if is_replicas(o.layout)} == {"local-sgd"}
 
 
 @pytest.mark.distributed
@@ -120,10 +153,35 @@ def test_run_trains_under_the_planners_choice(tmp_path):
 
 
 @pytest.mark.distributed
+def test_run_synchronises_as_the_planner_chose_for_a_slow_link(tmp_path):
+    cluster = cluster_file(tmp_path / "cluster.toml", 6e9, bandwidth=1e6)
+    expected = choose_layout(
+        GPTConfig(),
+        read_cluster_file(cluster),
+        global_batch=16,
+        microbatches=8,
+        n_params=gpt_params(GPTConfig()),
+        syncs=AUTO_SYNCS,
+    )
+    assert expected.sync != DDP
+    proc = distml_cli(
+        "run", "--nproc", "2", "--strategy", "auto", "--cluster", str(cluster),
+        "--runs-dir", str(tmp_path), "--run-name", "auto", GPT_EXAMPLE, "--steps", "2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"synchronised by {expected.sync.label}" in " ".join(proc.stderr.split())
+    summary = json.loads((tmp_path / "auto" / "summary.json").read_text())
+    assert sync_of(StrategyConfig(**summary["strategy"])) == expected.sync
+    assert summary["plan"]["sync"] == expected.sync.label
+    assert summary["plan"]["steps_factor"] == STEPS_RULE[expected.sync.name]
+
+
+@pytest.mark.distributed
 def test_a_layout_the_config_refuses_gives_way_to_the_next_best(tmp_path):
-    """On a 1 MB/s network the pipeline (activations only on the wire) is predicted fastest,
-    but one micro-batch is too few for 1F1B over two stages: the config refuses pp=2 and the
-    run goes ahead under the planner's second choice."""
+    """On a 1 MB/s network with plain DDP given (``strategy.compression=none``: the layout
+    alone is planned), the pipeline (activations only on the wire) is predicted fastest, but
+    one micro-batch is too few for 1F1B over two stages: the config refuses pp=2 and the run
+    goes ahead under the planner's second choice."""
     cluster = cluster_file(tmp_path / "cluster.toml", 6e9, bandwidth=1e6)
     ranked = choose_layout(
         GPTConfig(),
@@ -137,7 +195,7 @@ def test_a_layout_the_config_refuses_gives_way_to_the_next_best(tmp_path):
     proc = distml_cli(
         "run", "--nproc", "2", "--strategy", "auto", "--cluster", str(cluster),
         "--microbatches", "1", "--runs-dir", str(tmp_path), "--run-name", "auto",
-        GPT_EXAMPLE, "--steps", "1",
+        "--set", "strategy.compression=none", GPT_EXAMPLE, "--steps", "1",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     mesh = ",".join(f"{k}={v}" for k, v in second.items())

@@ -72,7 +72,7 @@ def test_bench_writes_a_cluster_file_the_planner_reads(tmp_path):
     assert data["measured"]["p2p_bw"] == cal["collectives"]["p2p"]["2"][1]
     cluster = read_cluster_file(tmp_path / "cluster.toml")
     choice = choose_layout(GPT, cluster, global_batch=4, microbatches=2, n_params=gpt_params(GPT))
-    assert all("step time from the calibration" in p.notes for p in choice.ranked)
+    assert all("step time from the calibration" in o.prediction.notes for o in choice.ranked)
 
 
 def test_a_broken_cluster_file_is_refused(tmp_path):

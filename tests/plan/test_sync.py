@@ -8,16 +8,19 @@ import math
 import pytest
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
-from distml.config import GPTConfig
+from distml.config import GPTConfig, StrategyConfig, build_config, set_value
 from distml.models import GPT
 from distml.plan.sync import (
+    AUTO_SYNCS,
     TCP_PAYLOAD_FRACTION,
     Sync,
     choose,
+    data_parallel_step,
     line_rate_bytes,
     powersgd_elements,
     step_seconds,
     steps_to_target,
+    sync_of,
     wire_bytes_per_step,
 )
 
@@ -79,3 +82,34 @@ def test_the_choice_is_the_fastest_to_the_target_not_the_fastest_step():
                     {"fast-step": 48, "steady": 16, "never": None})  # fmt: skip
     assert [c.label for c in ranked] == ["steady", "fast-step", "never"]
     assert ranked[0].time_to_target_s == pytest.approx(3.2)
+
+
+def test_a_data_parallel_step_keeps_what_ddp_hid_and_pays_what_its_bytes_add():
+    ratio_r2 = powersgd_elements(SHAPES, 2) / PARAMS
+    # DDP hid all of its 0.1 s: fp16 and PowerSGD hide theirs too; Local SGD's averaging
+    # comes after the step, where nothing hides it.
+    hidden = (0.3, 0.1, 0.0)
+    assert data_parallel_step(Sync("ddp"), SHAPES, 2, hidden) == hidden
+    assert data_parallel_step(Sync("ddp-fp16"), SHAPES, 2, hidden) == pytest.approx((0.3, 0.05, 0))
+    local = data_parallel_step(Sync("local-sgd", every=8), SHAPES, 2, hidden)
+    assert local == pytest.approx((0.3 + 0.1 / 8, 0.1 / 8, 0.1 / 8))
+    # DDP showed 0.3 of its 0.4 s (0.1 hidden): a tenth of the bytes hide behind the same 0.1.
+    slow = (1.0, 0.4, 0.3)
+    assert data_parallel_step(Sync("ddp-fp16"), SHAPES, 2, slow) == pytest.approx((0.8, 0.2, 0.1))
+    step, comm, exposed = data_parallel_step(Sync("powersgd", rank=2), SHAPES, 2, slow)
+    # (its two plain steps spread over a long run)
+    assert comm == pytest.approx(0.4 * ratio_r2, rel=1e-3)
+    assert exposed == pytest.approx(max(0.0, 0.4 * ratio_r2 - 0.1), abs=1e-4)
+    assert step == pytest.approx(0.7 + exposed)
+
+
+def test_each_synchronisation_is_the_one_its_run_settings_train_under():
+    for sync in AUTO_SYNCS:
+        fields: dict = {}
+        for key, value in sync.run_settings():
+            set_value(fields, key, value)
+        cfg = build_config(**fields)
+        assert sync_of(cfg.strategy) == sync, sync.label
+    assert sync_of(StrategyConfig(compression="bf16")) == Sync("ddp-fp16")
+    with pytest.raises(ValueError, match="a layout"):
+        Sync("fsdp").run_settings()

@@ -322,7 +322,7 @@ def run(
         str | None,
         typer.Option(
             help="ddp[:compression=fp16|bf16|powersgd,grad_accum=K,...], local-sgd:H, ps, or "
-            "auto (the planner picks the mesh; see --cluster)."
+            "auto (the planner picks the mesh, and how replicas synchronise; see --cluster)."
         ),
     ] = None,
     mesh: Annotated[
@@ -435,6 +435,14 @@ def run(
     err.print(f"run folder: {cfg.run_dir}", highlight=False)
 
 
+# The settings that say how replicas synchronise: where the config or --set gives one (even
+# strategy.compression = "none", plain DDP), --strategy auto plans the layout under that.
+SYNC_FIELDS = {
+    "name", "compression", "powersgd_rank", "powersgd_start_iter", "sync_every", "outer_lr",
+    "outer_momentum",
+}  # fmt: skip
+
+
 def _planned_config(
     cfg: RunConfig,
     config_file: Path | None,
@@ -443,13 +451,15 @@ def _planned_config(
     global_batch: int,
 ) -> RunConfig:
     """``--strategy auto``: the run's config under the mesh (and layout options) the cost model
-    predicts fastest for this world on the cluster ``distml bench`` measured. The config has
-    the last word: a layout it refuses (too few micro-batches for that many stages, say) gives
-    way to the next best."""
+    predicts fastest for this world on the cluster ``distml bench`` measured, and, for a mesh
+    of replicas, the synchronisation predicted fastest to a loss (unless the config or --set
+    chose one). The config has the last word: a layout it refuses (too few micro-batches for
+    that many stages, say) gives way to the next best."""
     from distml.config import GPTConfig
-    from distml.plan.auto import choose_layout, gpt_params, plan_record
+    from distml.plan.auto import DDP, choose_layout, gpt_params, plan_record
     from distml.plan.bench import read_cluster_file
     from distml.plan.cost_model import Cluster
+    from distml.plan.sync import AUTO_SYNCS, sync_of
     from distml.telemetry.units import format_bytes
 
     if not cluster_file.is_file():
@@ -465,6 +475,12 @@ def _planned_config(
         raise ConfigError("--strategy auto plans a fixed world: give --nnodes N, not a range")
     model = cfg.model or GPTConfig()
     par = cfg.parallel
+    user_sync = any(
+        key.startswith("strategy.") and key.split(".", 1)[1] in SYNC_FIELDS
+        for key, _ in assignments
+    ) or (
+        config_file is not None and SYNC_FIELDS & load_config(config_file).strategy.model_fields_set
+    )
     choice = choose_layout(
         model,
         Cluster(measured.device, cfg.world_size, cfg.nproc, measured.calibration),
@@ -475,25 +491,30 @@ def _planned_config(
         schedule=par.schedule,
         chunks=par.virtual_stages,
         recompute=par.activation_checkpointing,
+        syncs=(sync_of(cfg.strategy),) if user_sync else AUTO_SYNCS,
     )
     refused = []
-    for rank, pred in enumerate(choice.ranked, 1):
+    for rank, option in enumerate(choice.ranked, 1):
+        pred = option.prediction
         mesh_sizes, options = pred.layout.mesh_sizes(), pred.layout.parallel_settings()
         mesh = ",".join(f"{k}={v}" for k, v in mesh_sizes.items())
         extra = ",".join(f"{k}={str(v).lower()}" for k, v in options.items())
         planner = [("mesh", mesh_sizes), ("run_name", cfg.run_name)]
         planner += [(f"parallel.{k}", v) for k, v in options.items()]
+        planner += option.sync.run_settings()
         try:  # the same settings with the planner's mesh, in the same run folder
             planned = resolve_run_config(config_file, assignments + planner)
         except ConfigError as exc:
-            refused.append(f"--mesh {mesh}: {exc}")
+            refused.append(f"--mesh {mesh} ({option.sync.label}): {exc}")
             continue
-        planned = planned.model_copy(update={"plan": plan_record(pred, par.microbatches)})
+        planned = planned.model_copy(update={"plan": plan_record(option, par.microbatches)})
+        sync = "" if option.sync == DDP else f", synchronised by {option.sync.label}"
+        rule = "" if option.sync == DDP else f", {option.steps_factor:g}x DDP's steps to a loss"
         err.print(
-            f"--strategy auto: --mesh {mesh}{' --parallel ' + extra if extra else ''} "
-            f"(predicted {pred.step_time_s * 1e3:.1f} ms a step, "
+            f"--strategy auto: --mesh {mesh}{' --parallel ' + extra if extra else ''}{sync} "
+            f"(predicted {pred.step_time_s * 1e3:.1f} ms a step{rule}, "
             f"{format_bytes(pred.memory_bytes['total'])} a device; number {rank} of "
-            f"{len(choice.ranked)} layouts that fit, {len(choice.too_big)} too big)",
+            f"{len(choice.ranked)} options that fit, {len(choice.too_big)} layouts too big)",
             highlight=False,
         )
         return planned

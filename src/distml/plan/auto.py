@@ -1,7 +1,12 @@
-"""``distml run --strategy auto``: the cost model picks the layout of the world about to start.
+"""``distml run --strategy auto``: the cost model picks the layout of the world about to start,
+and how its replicas synchronise.
 
 The planner and the run share one :class:`~distml.layout.Layout`; the search offers only the
-ZeRO stages a distml mesh runs (no ZeRO-1).
+ZeRO stages a distml mesh runs (no ZeRO-1). A layout of replicas alone (DDP) is weighed under
+each way to synchronise them (:data:`distml.plan.sync.AUTO_SYNCS`: fp16 or PowerSGD
+compression, Local SGD, DiLoCo): their step from the bytes each moves on the measured link,
+their steps to a loss from :data:`distml.plan.sync.STEPS_RULE`. Options rank by predicted time
+to a loss, step seconds x relative steps, not by step time alone.
 
 >>> choice = choose_layout(GPTConfig(), cluster, global_batch=16, microbatches=8)  # doctest: +SKIP
 >>> choice.mesh, choice.parallel                                                  # doctest: +SKIP
@@ -10,26 +15,33 @@ ZeRO stages a distml mesh runs (no ZeRO-1).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from distml.config import ConfigError, GPTConfig
 from distml.layout import RUNNABLE_ZERO, Layout
 from distml.plan.cost_model import Cluster, ModelSpec, Prediction, Training, predict
 from distml.plan.search import divisors
+from distml.plan.sync import STEPS_RULE, Sync, data_parallel_step
 from distml.telemetry.units import format_bytes
 
 
-def gpt_params(cfg: GPTConfig) -> int:
-    """The exact parameter count of ``distml.models.GPT(cfg)``, built on the meta device (no
+def gpt_shapes(cfg: GPTConfig) -> list[tuple[int, ...]]:
+    """The parameter shapes of ``distml.models.GPT(cfg)``, built on the meta device (no
     memory, whatever its size)."""
     import torch  # here: `distml plan` and the cost model run without torch
 
     from distml.models import GPT
 
     with torch.device("meta"):
-        return sum(p.numel() for p in GPT(cfg).parameters())
+        return [tuple(p.shape) for p in GPT(cfg).parameters()]
+
+
+def gpt_params(cfg: GPTConfig) -> int:
+    """The exact parameter count of ``distml.models.GPT(cfg)``."""
+    return sum(math.prod(shape) for shape in gpt_shapes(cfg))
 
 
 def model_spec(cfg: GPTConfig, n_params: float | None = None) -> ModelSpec:
@@ -115,13 +127,78 @@ def sharded_profile_shapes(
     }
 
 
+DDP = Sync("ddp")
+
+
+@dataclass(frozen=True)
+class Option:
+    """A layout that fits, with how its replicas synchronise (DDP's own for any other layout)."""
+
+    prediction: Prediction  # its step under ``sync``
+    sync: Sync = DDP
+    steps_factor: float = 1.0  # steps to a loss relative to DDP's (the stated rule)
+
+    @property
+    def layout(self) -> Layout:
+        return self.prediction.layout
+
+    @property
+    def time_to_loss_s(self) -> float:
+        """Predicted seconds per DDP step's worth of progress: what the options rank by."""
+        return self.prediction.step_time_s * self.steps_factor
+
+    @property
+    def label(self) -> str:
+        return str(self.layout) + ("" if self.sync == DDP else f" + {self.sync.label}")
+
+
 @dataclass
 class Choice:
     mesh: dict[str, int]
     parallel: dict[str, Any]
     prediction: Prediction
-    ranked: list[Prediction] = field(default_factory=list)  # every layout that fits, best first
+    ranked: list[Option] = field(default_factory=list)  # every option that fits, best first
     too_big: list[Prediction] = field(default_factory=list)
+
+    @property
+    def sync(self) -> Sync:
+        return self.ranked[0].sync
+
+
+def is_replicas(layout: Layout) -> bool:
+    """Whole replicas and nothing else: the layout a choice of synchronisation applies to."""
+    return layout.data_parallel > 1 and not layout.zero and not layout.model_parallel
+
+
+def sync_options(
+    pred: Prediction,
+    syncs: Sequence[Sync],
+    shapes: Sequence[Sequence[int]],
+    *,
+    gloo: bool,
+    rule: dict[str, float] = STEPS_RULE,
+) -> list[Option]:
+    """``pred``, a layout of replicas under DDP, under each of ``syncs`` instead."""
+    ranks = pred.layout.data_parallel
+    ddp = (pred.step_time_s, pred.comm_s, pred.comm_exposed_s)
+    options = []
+    for sync in syncs:
+        step, comm, exposed = data_parallel_step(sync, shapes, ranks, ddp, gloo=gloo)
+        scale = pred.step_time_s / step
+        under = replace(
+            pred,
+            comm_s=comm,
+            comm_exposed_s=exposed,
+            step_time_s=step,
+            tokens_per_s=pred.tokens_per_s * scale,
+            mfu=pred.mfu * scale,
+            energy_j=pred.energy_j / scale,
+            notes=[*pred.notes, f"{sync.label}: {rule[sync.name]:g}x DDP's steps to a loss"]
+            if sync != DDP
+            else pred.notes,
+        )
+        options.append(Option(under, sync, rule[sync.name]))
+    return options
 
 
 def choose_layout(
@@ -135,11 +212,13 @@ def choose_layout(
     schedule: str = "1f1b",
     chunks: int = 1,
     recompute: str = "none",
+    syncs: Sequence[Sync] = (DDP,),
 ) -> Choice:
     """The fastest predicted layout of ``cluster.devices`` workers that fits in device memory,
     under the run's own pipeline ``schedule`` (``chunks`` stages a rank) and ``recompute``.
     Candidates: dp x tp x pp = devices, tp dividing the heads, pp at most the layers, a batch
-    that splits into the replicas (and, under a pipeline, into ``microbatches``)."""
+    that splits into the replicas (and, under a pipeline, into ``microbatches``); a layout of
+    replicas under each of ``syncs``, ranked by predicted time to a loss."""
     model = model_spec(cfg, n_params)
     n = cluster.devices
     preds = []
@@ -160,18 +239,32 @@ def choose_layout(
             f"no layout of {n} workers fits this model in {memory} per device; the smallest "
             f"needs {format_bytes(smallest)}"
         )
-    fits.sort(key=lambda p: p.step_time_s)
-    best = fits[0].layout
-    return Choice(best.mesh_sizes(), best.parallel_settings(), fits[0], fits, too_big)
+    options: list[Option] = []
+    shapes = gpt_shapes(cfg) if any(sync != DDP for sync in syncs) else []
+    gloo = cluster.device.chip is None  # a device distml bench measured: CPU workers on gloo
+    for pred in fits:
+        if is_replicas(pred.layout) and shapes:
+            options += sync_options(pred, syncs, shapes, gloo=gloo)
+        else:
+            options.append(Option(pred))
+    options.sort(key=lambda o: o.time_to_loss_s)
+    best = options[0]
+    return Choice(
+        best.layout.mesh_sizes(), best.layout.parallel_settings(), best.prediction, options, too_big
+    )
 
 
-def plan_record(pred: Prediction, microbatches: int) -> dict[str, Any]:
+def plan_record(option: Option, microbatches: int) -> dict[str, Any]:
     """What a run chosen by the planner keeps of the choice (in its config, so every worker
-    has it): the layout, and the prediction its summary sets beside the measurement."""
+    has it): the layout, the synchronisation, and the prediction its summary sets beside the
+    measurement."""
+    pred = option.prediction
     return {
         "mesh": pred.layout.mesh_sizes(),
         "parallel": pred.layout.parallel_settings(),
         "layout": pred.layout.record(),
+        "sync": option.sync.label,
+        "steps_factor": option.steps_factor,
         "microbatches": microbatches,
         "predicted": {
             "step_time_s": pred.step_time_s,

@@ -62,16 +62,22 @@ def bus_bandwidth(
     return best
 
 
-def node_links(device: torch.device, sizes_mb=(0.25, 1, 4), repeats: int = 3) -> dict[str, Any]:
+def node_links(
+    device: torch.device, sizes_mb=(0.25, 1, 4), repeats: int = 3, inter_mb: float = 4
+) -> dict[str, Any]:
     """Across nodes, the two kinds of link measured apart: inside each node (the node's ranks
     together, every node at once) and between nodes (one rank a node, ``LOCAL_RANK`` 0). The
     ranks of a node are consecutive, as torchrun's launcher numbers them. Every rank calls it;
-    ``intra_bw`` is None where a node has one rank."""
+    ``intra_bw`` is None where a node has one rank.
+
+    Between nodes only a large message (``inter_mb`` MiB) counts: a rate-limited link lets a
+    burst through at once (a token bucket's, a switch's buffer), so a small message can
+    measure more than the line rate, which no gradient bucket sees."""
     world, rank = dist.get_world_size(), dist.get_rank()
     nodes = _nodes()
     local = world // nodes
     leaders = dist.new_group([node * local for node in range(nodes)])
-    inter = bus_bandwidth(device, leaders, sizes_mb, repeats) if rank % local == 0 else 0.0
+    inter = bus_bandwidth(device, leaders, (inter_mb,), repeats) if rank % local == 0 else 0.0
     dist.barrier()
     intra = None
     if local > 1:

@@ -284,10 +284,13 @@ def predict(model: ModelSpec, cluster: Cluster, training: Training, layout: Layo
         dp_bw = device.intra_bw if one_node else device.inter_bw
         # TP all-reduces and pipeline sends sit on the critical path. Data-parallel gradient
         # traffic is bucketed and overlaps the backward pass (2 of the 3 passes, 3 of 4 with
-        # recomputation); only what outlasts it is exposed.
+        # recomputation); only what outlasts it is exposed. Not on CPU workers: gloo reduces
+        # and copies on the cores the backward pass computes on, and benchmarks/network.py
+        # measured about three quarters of DDP's all-reduce time in the step there.
         critical_s = comm.get("tp_all_reduce", 0.0) / tp_bw + comm.get("pp_send_recv", 0.0) / dp_bw
         dp_s = sum(v for k, v in comm.items() if k.startswith("dp_")) / dp_bw
-        backward_s = compute_s * (0.75 if training.recompute == "full" else 2 / 3)
+        overlap = training.dp_overlap and device.name != "cpu"
+        backward_s = compute_s * (0.75 if training.recompute == "full" else 2 / 3) * overlap
         dp_exposed_s = max(0.0, dp_s - backward_s)
         comm_s = critical_s + dp_s
         exposed_s = critical_s + dp_exposed_s
