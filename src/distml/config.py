@@ -209,6 +209,10 @@ class TelemetryConfig(_Model):
     """Model-parallel layouts: collectives are intercepted on steps 0, 1 and every N-th."""
     progress: bool = True
     """Show a progress line on the terminal."""
+    mlflow_uri: str | None = None
+    """Also log the run to MLflow at this tracking URI (e.g. sqlite:///mlflow.db)."""
+    mlflow_experiment: Annotated[str, Field(min_length=1)] = "distml"
+    """The MLflow experiment a run is logged under."""
 
 
 RDZV_TIMEOUTS = ("timeout", "join_timeout", "last_call_timeout", "close_timeout", "read_timeout")

@@ -35,6 +35,7 @@ from distml.ps.shard import PROCESS_ENV
 from distml.ps.worker import SERVERS_ENV
 from distml.telemetry.console import print_summary
 from distml.telemetry.metrics_stream import write_metrics
+from distml.telemetry.mlflow_log import target_for
 from distml.telemetry.report import write_report
 from distml.telemetry.summary import summarize
 from distml.train.checkpoint import export_state, norm_of
@@ -307,7 +308,8 @@ def write_job_files(
         "server_restarts": {s.name: s.restarts for s in servers if s.restarts},
         **ps_summary(per_rank, stats),
     }
-    write_metrics(run_dir, per_rank, summary.get("eval"))  # metrics.jsonl and tb/
+    mlflow = target_for(config, kind="parameter-server")
+    write_metrics(run_dir, per_rank, summary.get("eval"), mlflow=mlflow)  # jsonl, tb/, MLflow
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     summary["report"] = str(write_report(run_dir, [r for r in per_rank if r], summary))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

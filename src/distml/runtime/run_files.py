@@ -15,6 +15,7 @@ from typing import Any
 from distml.comm.collectives import all_gather_json
 from distml.telemetry.console import print_summary
 from distml.telemetry.metrics_stream import write_metrics
+from distml.telemetry.mlflow_log import target_for
 from distml.telemetry.run_record import RunRecord
 from distml.telemetry.summary import measured_bubble, memory_per_rank, summarize
 from distml.train.checkpoint import (
@@ -64,7 +65,8 @@ def write_run_files(run: RunRecord, eval_metrics: dict[str, float]) -> dict[str,
         summary["export"] = str(export_state(state, export))
     elif run.module is not None:
         summary["export"] = str(export_safetensors(run.module, export))
-    write_metrics(run_dir, per_rank, eval_metrics, sharers)  # metrics.jsonl and TensorBoard's tb/
+    mlflow = target_for(run.config, run.attempt)
+    write_metrics(run_dir, per_rank, eval_metrics, sharers, mlflow)  # jsonl, tb/, MLflow
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     from distml.telemetry.report import write_report  # matplotlib: rank 0 only, at the end
 

@@ -1,4 +1,5 @@
-"""A run's metrics stream, written once at the end: ``metrics.jsonl`` and TensorBoard's ``tb/``.
+"""A run's metrics stream, written once at the end: ``metrics.jsonl`` and TensorBoard's ``tb/``
+(and an MLflow run, :mod:`distml.telemetry.mlflow_log`).
 
 Both files come from the same records, in one function, so what TensorBoard plots is what
 ``metrics.jsonl`` says, step for step. Global step is the training step (a federated run's,
@@ -21,7 +22,10 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from distml.telemetry.mlflow_log import MlflowTarget
 
 log = logging.getLogger("distml.telemetry")
 
@@ -96,16 +100,23 @@ def write_metrics(
     per_rank: Records,
     eval_metrics: Mapping[str, Any] | None = None,
     ranks_per_batch: int = 1,
+    mlflow: MlflowTarget | None = None,
 ) -> Path:
     """Write ``run_dir/metrics.jsonl`` (one JSON object per step per rank) and the same
-    records as TensorBoard event files in ``run_dir/tb/``; returns the jsonl's path."""
+    records as TensorBoard event files in ``run_dir/tb/`` (and as an MLflow run where
+    ``mlflow`` says); returns the jsonl's path."""
     path = Path(run_dir) / "metrics.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for records in per_rank:
             for rec in records:
                 f.write(json.dumps(rec) + "\n")
-    write_events(Path(run_dir) / "tb", step_scalars(per_rank, eval_metrics, ranks_per_batch))
+    scalars = step_scalars(per_rank, eval_metrics, ranks_per_batch)
+    write_events(Path(run_dir) / "tb", scalars)
+    if mlflow is not None:
+        from distml.telemetry.mlflow_log import log_run
+
+        log_run(mlflow, scalars)
     return path
 
 
