@@ -5,13 +5,14 @@ import sys
 
 import pytest
 import torch
-from sklearn.datasets import load_digits
 
 from distml.data import digits
 from distml.data.datasets import CACHE_ENV, digits_arrays
 
 
 def test_the_cached_digits_are_scikit_learns(tmp_path, monkeypatch):
+    from sklearn.datasets import load_digits  # 2.5 s to import: not at collection
+
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     bunch = load_digits()
     expected = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0

@@ -12,7 +12,6 @@ import distml
 from distml.config import GPTConfig
 from distml.data import ShardedBatchSampler, stdlib_text
 from distml.models import GPT, lm_loss
-from distml.parallel.layout import parameter_names
 
 CFG = GPTConfig(vocab_size=256, seq_len=16, layers=4, hidden=32, heads=4)
 BATCH = 8  # per data-parallel rank
@@ -56,6 +55,8 @@ def train(ctx: distml.Context, out_dir: str, steps: int = STEPS, batch: int = BA
     mean = torch.tensor(losses, dtype=torch.float64)
     torch.distributed.all_reduce(mean)
     losses = (mean / ctx.world_size).tolist()
+    from distml.parallel.layout import parameter_names  # torch's pipelining: 1.5 s to import
+
     names = {id(p): n for n, p in parameter_names(ctx.model).items()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grads = {names[id(p)]: g for p, g in zip(params, optimizer.last_grads, strict=True)}

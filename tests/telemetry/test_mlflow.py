@@ -18,7 +18,15 @@ from distml.config import RunConfig
 from distml.telemetry.metrics_stream import step_scalars, write_metrics
 from distml.telemetry.mlflow_log import MlflowTarget, flat_params, log_run, target_for
 
-mlflow_tracking = pytest.importorskip("mlflow.tracking", reason="pip install 'distml[mlflow]'")
+# Importing mlflow starts a process (``uname -p``, for its platform record): these tests are
+# out of the in-process loop, and import it in a fixture, not at collection (1.5 s).
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_installed() -> None:
+    pytest.importorskip("mlflow.tracking", reason="pip install 'distml[mlflow]'")
+
 
 RECORD = {"step": 0, "rank": 0, "loss": 2.0, "samples": 8, "step_s": 0.5, "compute_s": 0.4,
           "comm_s": 0.1, "sync_wait_s": 0.0, "energy_j": 1.0, "peak_mem_bytes": 10,
@@ -27,7 +35,9 @@ RECORD = {"step": 0, "rank": 0, "loss": 2.0, "samples": 8, "step_s": 0.5, "compu
 
 def logged(uri: str, experiment: str = "distml") -> tuple[object, dict[str, list]]:
     """The one run of ``experiment`` at ``uri`` and its metrics, by key, as (step, value)."""
-    client = mlflow_tracking.MlflowClient(tracking_uri=uri)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     history = {
         key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
@@ -36,7 +46,6 @@ def logged(uri: str, experiment: str = "distml") -> tuple[object, dict[str, list
     return run, history
 
 
-@pytest.mark.distributed
 def test_a_training_run_is_logged_as_its_event_files_are(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     distml.launch(train, nproc=2, runs_dir=tmp_path, run_name="tracked",

@@ -7,8 +7,10 @@ the run's settings as parameters, and tags for the run folder and the attempt. M
 optional (``pip install 'distml[mlflow]'``). A tracking server that cannot be reached costs the
 run nothing but a warning: its files are written first, and they hold the same numbers.
 
-Credentials go where MLflow reads them (``MLFLOW_TRACKING_USERNAME``/``PASSWORD``/``TOKEN`` in
-the environment); a URI is never logged, since it may carry them too.
+MLflow's own usage telemetry is off in the process that logs (``MLFLOW_DISABLE_TELEMETRY``,
+unless the environment sets it). Credentials go where MLflow reads them
+(``MLFLOW_TRACKING_USERNAME``/``PASSWORD``/``TOKEN`` in the environment); a URI is never
+logged, since it may carry them too.
 
     mlflow ui --backend-store-uri sqlite:///mlflow.db
 """
@@ -16,6 +18,7 @@ the environment); a URI is never logged, since it may carry them too.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -73,6 +76,7 @@ def flat_params(settings: Mapping[str, Any], prefix: str = "") -> Iterator[tuple
 def log_run(target: MlflowTarget, scalars: Iterable[Scalar]) -> str | None:
     """One MLflow run holding ``scalars`` and the target's settings; its id, or None (with a
     warning) where mlflow is not installed or the tracking store refused."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read at mlflow's import
     try:
         from mlflow.entities import Metric, Param, RunTag
         from mlflow.exceptions import MlflowException

@@ -15,10 +15,7 @@ import io
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from typing import TYPE_CHECKING, Any
 
 from distml.telemetry.units import (
     axis_scale,
@@ -27,6 +24,9 @@ from distml.telemetry.units import (
     format_rate,
     format_seconds,
 )
+
+if TYPE_CHECKING:  # matplotlib takes 1.5 s to import: only a process that draws pays it
+    from matplotlib.figure import Figure
 
 Records = list[list[dict[str, Any]]]
 
@@ -74,6 +74,9 @@ def _png(fig: Figure) -> str:
 
 
 def _figure(label: str, title: str, xlabel: str, ylabel: str) -> tuple[Figure, Any]:
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     fig = Figure(figsize=(7, 3.5))
     fig.set_label(label)
     ax = fig.add_subplot()
@@ -249,6 +252,8 @@ def _timeline(plan: dict[str, Any]) -> Figure:
         slot = pred["compute_s"] / m  # a micro-batch's forward + backward on a stage
         tasks = simulate_pipeline(p, m, slot / 3, 2 * slot / 3, schedule=layout["schedule"])
         return gantt_figure(tasks, p, f"predicted step: {p} stages, {m} micro-batches", "s")
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(8, 1.4), label="predicted step")
     ax = fig.add_subplot()
     ax.barh(0, pred["compute_s"], color="#4c72b0", label="compute")
