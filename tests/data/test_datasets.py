@@ -11,7 +11,7 @@ from distml.data.datasets import CACHE_ENV, digits_arrays
 
 
 def test_the_cached_digits_are_scikit_learns(tmp_path, monkeypatch):
-    from sklearn.datasets import load_digits  # 2.5 s to import: not at collection
+    from sklearn.datasets import load_digits  # slow to import: not at collection
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     bunch = load_digits()

@@ -55,7 +55,7 @@ def train(ctx: distml.Context, out_dir: str, steps: int = STEPS, batch: int = BA
     mean = torch.tensor(losses, dtype=torch.float64)
     torch.distributed.all_reduce(mean)
     losses = (mean / ctx.world_size).tolist()
-    from distml.parallel.layout import parameter_names  # torch's pipelining: 1.5 s to import
+    from distml.parallel.layout import parameter_names  # torch's pipelining: slow to import
 
     names = {id(p): n for n, p in parameter_names(ctx.model).items()}
     params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -19,7 +19,7 @@ from distml.telemetry.metrics_stream import step_scalars, write_metrics
 from distml.telemetry.mlflow_log import MlflowTarget, flat_params, log_run, target_for
 
 # Importing mlflow starts a process (``uname -p``, for its platform record): these tests are
-# out of the in-process loop, and import it in a fixture, not at collection (1.5 s).
+# out of the in-process loop, and import it in a fixture, not at collection (it is slow).
 pytestmark = pytest.mark.distributed
 
 

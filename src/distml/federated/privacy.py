@@ -66,7 +66,7 @@ class ClientLevelDP(StrategyWrapper):
         self.noise_multiplier = noise_multiplier
         self.clip_norm = clip_norm
         self.delta = delta
-        from opacus.accountants import RDPAccountant  # 2.5 s to import: only with DP
+        from opacus.accountants import RDPAccountant  # slow to import: only runs with DP pay
 
         self.accountant = RDPAccountant()
         seed = secrets.randbits(63) if seed is None else seed

@@ -286,7 +286,7 @@ def predict(model: ModelSpec, cluster: Cluster, training: Training, layout: Layo
         # traffic is bucketed and overlaps the backward pass (2 of the 3 passes, 3 of 4 with
         # recomputation); only what outlasts it is exposed. Not on CPU workers: gloo reduces
         # and copies on the cores the backward pass computes on, and benchmarks/network.py
-        # measured about three quarters of DDP's all-reduce time in the step there.
+        # finds most of DDP's all-reduce time in the step there (BENCHMARKS.md, slow links).
         critical_s = comm.get("tp_all_reduce", 0.0) / tp_bw + comm.get("pp_send_recv", 0.0) / dp_bw
         dp_s = sum(v for k, v in comm.items() if k.startswith("dp_")) / dp_bw
         overlap = training.dp_overlap and device.name != "cpu"

@@ -98,11 +98,9 @@ class Sync:
 
 # The stated rule: optimizer steps to a given loss, relative to DDP's, for the strategies that
 # change the optimisation (by name, whatever their rank or H). fp16 compression only rounds the
-# gradients' sum. The others are rounded up from what benchmarks/network.py measured for the
-# GPT (steps to DDP's 96-step loss, evaluated every 8 steps): PowerSGD rank 2 112 (1.17) and
-# rank 8 128 (1.33, but the lowest loss at 192 steps), Local SGD at H = 8 104 (1.08), DiLoCo at
-# H = 8 144 (1.5). A measured probe of the run's own model says more; this is what the planner
-# assumes without one.
+# gradients' sum. The others come from the loss curves benchmarks/network.py measures for the
+# GPT (steps to DDP's loss, rounded; BENCHMARKS.md, slow links). A measured probe of the run's
+# own model says more; this is what the planner assumes without one.
 STEPS_RULE: dict[str, float] = {
     "ddp": 1.0,
     "ddp-fp16": 1.0,

@@ -25,7 +25,7 @@ from distml.telemetry.units import (
     format_seconds,
 )
 
-if TYPE_CHECKING:  # matplotlib takes 1.5 s to import: only a process that draws pays it
+if TYPE_CHECKING:  # matplotlib is slow to import: only a process that draws pays for it
     from matplotlib.figure import Figure
 
 Records = list[list[dict[str, Any]]]
