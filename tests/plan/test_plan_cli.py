@@ -61,3 +61,24 @@ def test_simulate_draws_the_timeline_and_reports_the_bubble(tmp_path):
     assert gantt.read_bytes()[:4] == b"\x89PNG"
     bad = CliRunner().invoke(app, ["simulate", "--schedule", "zigzag"])
     assert bad.exit_code == 2 and "unknown schedule" in bad.output
+
+
+def test_the_replicas_synchronise_fastest_to_a_loss_on_the_measured_link(tmp_path):
+    """On a CPU cluster joined by a 1 MB/s link, any lighter synchronisation beats DDP's
+    all-reduce of the GPT's 3.5 MB of gradients; the table ranks by time to a loss."""
+    from test_auto import cluster_file  # the shape distml bench writes
+
+    slow = cluster_file(tmp_path / "slow.toml", 6e9, bandwidth=1e6)
+    gpt = ["--layers", "4", "--hidden", "128", "--heads", "4", "--seq", "64", "--vocab", "256"]
+    args = ["plan", *gpt, "--global-batch", "16", "--cluster", str(slow), "--precision", "fp32"]
+    out = CliRunner().invoke(app, [*args, "--json"])
+    assert out.exit_code == 0, out.output
+    syncs = json.loads(out.output)["syncs"]
+    assert {s["sync"] for s in syncs} == {
+        "ddp", "ddp-fp16", "powersgd-r2", "powersgd-r8", "local-sgd", "diloco"
+    }  # fmt: skip
+    to_loss = [s["step_time_s"] * s["steps_factor"] for s in syncs]
+    assert to_loss == sorted(to_loss) and syncs[-1]["sync"] == "ddp"
+    assert all(s["layout"]["dp"] == 2 for s in syncs)
+    text = CliRunner().invoke(app, args).output
+    assert "synchronising the replicas of" in text and "powersgd-r2" in text

@@ -13,10 +13,12 @@ from rich.table import Table
 
 from distml.cli.messages import fail_usage
 from distml.layout import Layout
+from distml.plan.auto import Option, is_replicas, sync_options
 from distml.plan.cluster_file import cluster_from_description, is_description
 from distml.plan.cost_model import DEVICES, Cluster, ModelSpec, Prediction, Training, predict
 from distml.plan.search import rank_layouts
 from distml.plan.spec import BYTES
+from distml.plan.sync import AUTO_SYNCS
 
 Count = Annotated[float, typer.Option(help="Accepts scientific notation, e.g. 7.5e9.")]
 
@@ -53,6 +55,17 @@ def _read_cluster(path: Path) -> Cluster:
         return read_cluster_file(path)
     except ValueError as exc:
         fail_usage(f"cluster file {path}: {exc}")
+
+
+def _sync_options(best: list[Prediction], model: ModelSpec, cluster: Cluster) -> list[Option]:
+    """The fastest layout of replicas alone among ``best``, under each way to synchronise
+    them, fastest to a loss first (none without such a layout)."""
+    replicas = next((p for p in best if is_replicas(p.layout)), None)
+    if replicas is None:
+        return []
+    gloo = cluster.device.name == "cpu"  # a CPU cluster distml bench measured
+    options = sync_options(replicas, AUTO_SYNCS, model.weight_shapes(), gloo=gloo)
+    return sorted(options, key=lambda o: o.time_to_loss_s)
 
 
 def plan(
@@ -152,10 +165,18 @@ def plan(
             best, rejected = rank_layouts(model, cluster, training, rank_by)
     except ValueError as exc:
         fail_usage(str(exc))
+    syncs = _sync_options(best, model, cluster)
     if as_json:
         print(
             json.dumps(
-                {"layouts": [_row(p) for p in best], "rejected": [_row(p) for p in rejected]},
+                {
+                    "layouts": [_row(p) for p in best],
+                    "rejected": [_row(p) for p in rejected],
+                    "syncs": [
+                        {"sync": o.sync.label, "steps_factor": o.steps_factor, **_row(o.prediction)}
+                        for o in syncs
+                    ],
+                },
                 indent=2,
             )
         )
@@ -184,6 +205,21 @@ def plan(
             console.print(f"  {key}: {text}", highlight=False)
     if rejected:
         console.print(f"{len(rejected)} layouts do not fit in {device} memory")
+    if syncs:
+        table = Table(title=f"synchronising the replicas of {syncs[0].layout}, fastest to a loss")
+        for col in ("sync", "step s", "exposed comm s", "steps x DDP", "time to a loss x DDP"):
+            table.add_column(col)
+        ddp = next(o for o in syncs if o.sync.name == "ddp").time_to_loss_s
+        for o in syncs:
+            p = o.prediction
+            table.add_row(
+                o.sync.label,
+                f"{p.step_time_s:.3f}",
+                f"{p.comm_exposed_s:.3f}",
+                f"{o.steps_factor:g}",
+                f"{o.time_to_loss_s / ddp:.2f}",
+            )
+        console.print(table)
 
 
 def bench(

@@ -60,6 +60,19 @@ class ModelSpec:
         embeddings = 1 if self.tied_embeddings else 2
         return self.layers * self.layer_weights + embeddings * self.vocab * self.hidden
 
+    def weight_shapes(self) -> list[tuple[int, ...]]:
+        """Each parameter's shape, as a Megatron-style block writes them (q, k, v and the output
+        projection apart, the MLP's matrices, biases and two norms) and the embedding(s): what
+        decides how much PowerSGD compresses (:func:`distml.plan.sync.powersgd_elements`)."""
+        h, f, kv = self.hidden, self.ffn, self.kv_hidden
+        block: list[tuple[int, ...]] = [(h, h), (kv, h), (kv, h), (h, h)]
+        block += [(f, h)] * (self.mlp_matrices - 1) + [(h, f)]
+        if self.bias:
+            block += [(h,), (kv,), (kv,), (h,)] + [(f,)] * (self.mlp_matrices - 1) + [(h,)]
+        block += [(h,)] * 4  # two norms, weight and bias
+        embeddings = [(self.vocab, h)] * (1 if self.tied_embeddings else 2)
+        return embeddings + block * self.layers
+
     @property
     def layer_params(self) -> float:
         """One block: its matrices, their biases and two norms (12h^2 + 13h for the GPT)."""
