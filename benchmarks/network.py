@@ -1,7 +1,7 @@
 """What each synchronisation strategy buys as the link between two hosts slows.
 
     python benchmarks/network.py                              # 1gbit,200mbit,50mbit,10mbit
-    python benchmarks/network.py --rates 50mbit --strategies ddp,powersgd-r2 --timed-steps 8
+    python benchmarks/network.py --rates 50mbit --strategies ddp,powersgd-r2 --repeats 1
 
 Two hosts of a :class:`distml.testbed.Testbed` (network namespaces on one switch, each link
 shaped with tc's token bucket), one worker each, through the multi-node path (``distml run
@@ -15,8 +15,10 @@ Two measurements, because the link changes the time of a step and never its arit
   ``2 x --steps``. The target is the loss DDP reaches at ``--steps``.
 - **Time per step**, per strategy and link rate, on the testbed: ``--timed-steps`` steps, from
   the run's ``metrics.jsonl``: the first two (start-up, and PowerSGD's plain all-reduce before
-  its ``start_iter``) timed apart, then the steady step, the mean of the rest (a multiple of H,
-  so Local SGD's syncs are in at their share); samples/s from the steady step.
+  its ``start_iter``) timed apart, then the steady step, the mean of the rest (H steps, so
+  Local SGD's sync is in at its share); samples/s from the steady step. Each strategy runs
+  ``--repeats`` times at each rate, the repeats interleaved (a slow spell of a shared machine
+  hits every strategy), and the medians count.
 
 Time to target = the first evaluated step at or below the target (to 1e-3, the float noise
 between layouts of the same arithmetic): the first two steps as they took, the rest at the
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -118,6 +121,23 @@ def loss_curve(name: str, args: argparse.Namespace, runs: Path) -> list[tuple[in
     return [tuple(p) for p in json.loads((runs / f"curve-{name}" / "curve.json").read_text())]
 
 
+def _medians(runs: list[dict[str, Any]], curve, target: float) -> dict[str, Any]:
+    """One strategy at one rate: the medians of its repeats, and its time to the target."""
+    median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    reached = steps_to_target(curve, target)
+    ttt = None if reached is None else median["warmup_s"] + (reached - WARMUP) * median["step_s"]
+    return median | {
+        "measured": time.strftime("%Y-%m-%d %H:%M"),
+        "samples_per_s": GLOBAL_BATCH / median["step_s"],
+        "samples_per_s_range": sorted(GLOBAL_BATCH / r["step_s"] for r in runs)[:: len(runs) - 1]
+        if len(runs) > 1
+        else [GLOBAL_BATCH / median["step_s"]] * 2,
+        "repeats": len(runs),
+        "steps_to_target": reached,
+        "time_to_target_s": ttt,
+    }
+
+
 def run_everywhere(bed: Testbed, argv_of, logs: Path, timeout: float, threads: int, cwd: Path):
     """``argv_of(rank, host)`` on every host at once; raises unless all exit 0."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -127,10 +147,12 @@ def run_everywhere(bed: Testbed, argv_of, logs: Path, timeout: float, threads: i
         raise RuntimeError(f"at {bed.rate_bits / 1e6:g} Mbit/s: exit codes {codes}; logs in {logs}")
 
 
-def timed_run(bed: Testbed, name: str, args: argparse.Namespace, runs: Path) -> dict[str, Any]:
+def timed_run(
+    bed: Testbed, name: str, args: argparse.Namespace, runs: Path, repeat: int = 0
+) -> dict[str, Any]:
     """``--timed-steps`` steps of ``name`` across the testbed's two hosts: its summary, and
     each step's seconds (the slowest rank's) from its metrics stream."""
-    tag = f"{name}-{bed.rate_bits:.0f}"
+    tag = f"{name}-{bed.rate_bits:.0f}-{repeat}"
 
     def argv(rank: int, host) -> list[str]:
         return [
@@ -169,12 +191,20 @@ def link_cluster(bed: Testbed, runs: Path, timeout: float) -> dict[str, Any]:
 
 
 def main() -> dict[str, Any]:
+    # A SIGTERM unwinds as an exception does, so that the testbed's teardown runs.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default=",".join(RATES), help="tc rates of the links")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--steps", type=int, default=96, help="DDP's steps that set the target")
-    parser.add_argument("--timed-steps", type=int, default=WARMUP + 2 * H,
+    parser.add_argument("--timed-steps", type=int, default=WARMUP + H,
                         help="steps a timed run")  # fmt: skip
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs of each strategy at each rate, interleaved (medians)",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
     parser.add_argument(
         "--reuse", action="store_true", help="the curves and other rates of the last results"
@@ -211,26 +241,24 @@ def main() -> dict[str, Any]:
                 clusters[rate] = link_cluster(bed, runs, args.timeout)
                 print(f"{rate:>8} link: {bandwidth(clusters, rate) / 1e6:.2f} MB/s measured",
                       flush=True)  # fmt: skip
-                for name in [] if args.links_only else names:
-                    summary = timed_run(bed, name, args, runs)
-                    times = summary["step_times"]
-                    warmup_s, step_s = sum(times[:WARMUP]), statistics.mean(times[WARMUP:])
-                    reached = steps_to_target(curves[name], target)
-                    timed.setdefault(rate, {})[name] = {
-                        "measured": time.strftime("%Y-%m-%d %H:%M"),
-                        "samples_per_s": GLOBAL_BATCH / step_s,
-                        "step_s": step_s,
-                        "warmup_s": warmup_s,
-                        "comm_s": summary["comm_s"] / summary["steps"],
-                        "wire_bytes_per_step": sum(summary["wire_bytes"].values())
-                        / summary["steps"],
-                        "steps_to_target": reached,
-                        "time_to_target_s": None
-                        if reached is None
-                        else warmup_s + (reached - WARMUP) * step_s,
-                    }
-                    print(f"{rate:>8} {name:<12} {GLOBAL_BATCH / step_s:8.1f} samples/s",
-                          flush=True)  # fmt: skip
+                runs_of: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+                for repeat in range(0 if args.links_only else args.repeats):
+                    for name in names:  # interleaved: a slow spell of the machine hits all
+                        summary = timed_run(bed, name, args, runs, repeat)
+                        times = summary["step_times"]
+                        runs_of[name].append({
+                            "step_s": statistics.mean(times[WARMUP:]),
+                            "warmup_s": sum(times[:WARMUP]),
+                            "comm_s": summary["comm_s"] / summary["steps"],
+                            "wire_bytes_per_step": sum(summary["wire_bytes"].values())
+                            / summary["steps"],
+                        })  # fmt: skip
+                        print(f"{rate:>8} {name:<12} "
+                              f"{GLOBAL_BATCH / runs_of[name][-1]['step_s']:8.1f} samples/s",
+                              flush=True)  # fmt: skip
+                for name, measured in runs_of.items():
+                    if measured:
+                        timed.setdefault(rate, {})[name] = _medians(measured, curves[name], target)
     results = {
         "machine": machine_info(),
         "args": vars(args),

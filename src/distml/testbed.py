@@ -94,9 +94,8 @@ class Testbed:
         self.rate_bits = None if rate is None else rate_bits(rate)
         self.burst_s = burst_s
         # The longest a packet may wait in a link's queue (tc's latency). A deep queue
-        # (bufferbloat) stalls collectives that send in chunks and wait on each: measured at
-        # 10 Mbit/s, a DDP step took 34% longer than its bytes at the rate with 100 ms, 7% with
-        # 5 ms, while one TCP stream got 96% of the rate with either.
+        # (bufferbloat) stalls collectives that send in chunks and wait on each, while one TCP
+        # stream fills the link with any (measured: BENCHMARKS.md, slow links).
         self.queue_s = queue_s
         tag = f"{os.getpid()}-{next(_counter)}"
         self.switch = f"dml-sw-{tag}"
@@ -122,6 +121,7 @@ class Testbed:
         reason = unavailable()
         if reason is not None:
             raise TestbedError(reason)
+        remove_stale()
         self._netns_add(self.switch)
         sw = ("ip", "-n", self.switch)
         _sh(*sw, "link", "set", "lo", "up")
@@ -228,6 +228,24 @@ class Testbed:
                 os.killpg(proc.pid, signal.SIGKILL)  # its own session: the workers go too
                 proc.wait()
         return codes
+
+
+_NAMESPACE = re.compile(r"dml-(?:sw|h\d+)-(\d+)-\d+")  # a testbed's, with its maker's pid
+
+
+def remove_stale() -> list[str]:
+    """Remove the namespaces of testbeds whose process is gone (killed before its teardown
+    ran), with whatever still runs inside them; returns their names. A testbed of a process
+    that still runs is left alone."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    stale = []
+    for name in (line.split()[0] for line in listed.stdout.splitlines() if line.strip()):
+        match = _NAMESPACE.fullmatch(name)
+        if match and not Path(f"/proc/{match.group(1)}").exists():
+            kill_processes_in(name)
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
+            stale.append(name)
+    return stale
 
 
 def kill_processes_in(netns: str, grace_s: float = 5.0) -> None:

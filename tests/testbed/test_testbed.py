@@ -95,6 +95,26 @@ def test_a_testbed_that_cannot_be_built_leaves_nothing(testbed_factory):
     assert namespaces() == before
 
 
+@pytest.mark.netns
+@pytest.mark.distributed
+def test_a_testbed_left_by_a_killed_process_goes_when_the_next_is_built(testbed_factory):
+    """A process killed before its teardown leaves its namespaces, with what ran in them; the
+    next testbed built removes them, and leaves a live process's testbed alone."""
+    live = testbed_factory(1)
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names a process that no longer runs
+    left = f"dml-sw-{dead.pid}-0"
+    subprocess.run(["ip", "netns", "add", left], check=True)
+    sleeper = subprocess.Popen(["ip", "netns", "exec", left, "sleep", "600"])
+    try:
+        testbed_factory(1)
+        assert left not in namespaces() and sleeper.wait(timeout=30) is not None
+        assert live.switch in namespaces()
+    finally:
+        sleeper.kill()
+        subprocess.run(["ip", "netns", "delete", left], capture_output=True)
+
+
 def run_on_every_host(bed: Testbed, argv_of, tmp_path: Path, threads: int, cwd=ROOT) -> str:
     """``argv_of(rank, host)`` on each host at once, in ``cwd``; all must exit 0. Their logs'
     tails."""
