@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distml.config import RunConfig
-from distml.telemetry.metrics_stream import Scalar
 
 log = logging.getLogger("distml.telemetry")
 
@@ -73,9 +72,10 @@ def flat_params(settings: Mapping[str, Any], prefix: str = "") -> Iterator[tuple
             yield name, str(value)[:PARAM_CHARS]
 
 
-def log_run(target: MlflowTarget, scalars: Iterable[Scalar]) -> str | None:
-    """One MLflow run holding ``scalars`` and the target's settings; its id, or None (with a
-    warning) where mlflow is not installed or the tracking store refused."""
+def log_run(target: MlflowTarget, scalars: Iterable[tuple[str, float, int]]) -> str | None:
+    """One MLflow run holding ``scalars`` (tag, value, step: what metrics_stream gives
+    TensorBoard) and the target's settings; its id, or None (with a warning) where mlflow is
+    not installed or the tracking store refused."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # read at mlflow's import
     try:
         from mlflow.entities import Metric, Param, RunTag
