@@ -17,7 +17,7 @@ from distml.layout import Layout
 from distml.models import GPT
 from distml.plan.auto import DDP, choose_layout, gpt_params, is_replicas
 from distml.plan.bench import read_cluster_file
-from distml.plan.sync import AUTO_SYNCS, STEPS_RULE, Sync, sync_of
+from distml.plan.sync import AUTO_SYNCS, Sync, steps_factor, sync_of
 
 GPT_EXAMPLE = str(Path(__file__).parents[2] / "examples" / "gpt" / "train.py")
 
@@ -109,7 +109,7 @@ def test_the_link_decides_how_replicas_synchronise(tmp_path):
     assert set(replicas) == {s.label for s in AUTO_SYNCS}
     assert slow.mesh == {"dp": 2} and slow.sync != DDP
     for option in replicas.values():
-        assert option.steps_factor == STEPS_RULE[option.sync.name]
+        assert option.steps_factor == steps_factor(option.sync)
         assert option.time_to_loss_s == option.prediction.step_time_s * option.steps_factor
         assert option.prediction.step_time_s <= replicas["ddp"].prediction.step_time_s
     ranked = [o.time_to_loss_s for o in slow.ranked]
@@ -173,7 +173,7 @@ def test_run_synchronises_as_the_planner_chose_for_a_slow_link(tmp_path):
     summary = json.loads((tmp_path / "auto" / "summary.json").read_text())
     assert sync_of(StrategyConfig(**summary["strategy"])) == expected.sync
     assert summary["plan"]["sync"] == expected.sync.label
-    assert summary["plan"]["steps_factor"] == STEPS_RULE[expected.sync.name]
+    assert summary["plan"]["steps_factor"] == steps_factor(expected.sync)
 
 
 @pytest.mark.distributed

@@ -24,7 +24,7 @@ from distml.config import ConfigError, GPTConfig
 from distml.layout import RUNNABLE_ZERO, Layout
 from distml.plan.cost_model import Cluster, ModelSpec, Prediction, Training, predict
 from distml.plan.search import divisors
-from distml.plan.sync import STEPS_RULE, Sync, data_parallel_step
+from distml.plan.sync import STEPS_RULE, Sync, data_parallel_step, steps_factor
 from distml.telemetry.units import format_bytes
 
 
@@ -184,7 +184,9 @@ def sync_options(
     options = []
     for sync in syncs:
         step, comm, exposed = data_parallel_step(sync, shapes, ranks, ddp, gloo=gloo)
+        factor = steps_factor(sync, rule)
         scale = pred.step_time_s / step
+        note = [f"{sync.label}: {factor:g}x DDP's steps to a loss"] if sync != DDP else []
         under = replace(
             pred,
             comm_s=comm,
@@ -193,11 +195,9 @@ def sync_options(
             tokens_per_s=pred.tokens_per_s * scale,
             mfu=pred.mfu * scale,
             energy_j=pred.energy_j / scale,
-            notes=[*pred.notes, f"{sync.label}: {rule[sync.name]:g}x DDP's steps to a loss"]
-            if sync != DDP
-            else pred.notes,
+            notes=[*pred.notes, *note],
         )
-        options.append(Option(under, sync, rule[sync.name]))
+        options.append(Option(under, sync, factor))
     return options
 
 

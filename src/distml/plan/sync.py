@@ -97,17 +97,27 @@ class Sync:
 
 
 # The stated rule: optimizer steps to a given loss, relative to DDP's, for the strategies that
-# change the optimisation (by name, whatever their rank or H). fp16 compression only rounds the
-# gradients' sum. The others come from the loss curves benchmarks/network.py measures for the
-# GPT (steps to DDP's loss, rounded; BENCHMARKS.md, slow links). A measured probe of the run's
-# own model says more; this is what the planner assumes without one.
+# change the optimisation, by label (a PowerSGD rank not listed takes ``powersgd``'s). They are
+# the loss curves benchmarks/network.py measures for the GPT (steps to DDP's loss, rounded up to
+# a tenth; BENCHMARKS.md, slow links): fp16 compression loses too (gradients that underflow in
+# half precision). A measured probe of the run's own model says more; this is what the planner
+# assumes without one.
 STEPS_RULE: dict[str, float] = {
     "ddp": 1.0,
-    "ddp-fp16": 1.0,
-    "powersgd": 1.2,
+    "ddp-fp16": 1.4,
+    "powersgd-r2": 1.2,
+    "powersgd-r8": 1.4,
+    "powersgd": 1.4,
     "local-sgd": 1.1,
     "diloco": 1.5,
 }
+
+
+def steps_factor(sync: Sync, rule: Mapping[str, float] = STEPS_RULE) -> float:
+    """Steps to a loss relative to DDP's under ``sync``, by the rule."""
+    return rule.get(sync.label, rule[sync.name])
+
+
 # What ``distml run --strategy auto`` weighs for a data-parallel layout.
 AUTO_SYNCS: tuple[Sync, ...] = (
     Sync("ddp"),
