@@ -42,6 +42,19 @@ def cluster_file(path: Path, memory_bytes: float, devices: int = 2, bandwidth: f
     return path
 
 
+def plan_gpt(cluster: Path, microbatches: int, syncs=(DDP,)):
+    """The planner's choice for the GPT example's default size on ``cluster``, 16 sequences a
+    step, as ``distml run --strategy auto`` makes it."""
+    return choose_layout(
+        GPTConfig(),
+        read_cluster_file(cluster),
+        global_batch=16,
+        microbatches=microbatches,
+        n_params=gpt_params(GPTConfig()),
+        syncs=syncs,
+    )
+
+
 def test_a_planner_layout_is_the_runs_layout():
     for layout in (
         Layout(dp=4),
@@ -123,13 +136,7 @@ def test_the_link_decides_how_replicas_synchronise(tmp_path):
 @pytest.mark.distributed
 def test_run_trains_under_the_planners_choice(tmp_path):
     cluster = cluster_file(tmp_path / "cluster.toml", 12e6)
-    expected = choose_layout(
-        GPTConfig(),
-        read_cluster_file(cluster),
-        global_batch=16,
-        microbatches=8,
-        n_params=gpt_params(GPTConfig()),
-    )
+    expected = plan_gpt(cluster, 8)
     proc = distml_cli(
         "run", "--nproc", "2", "--strategy", "auto", "--cluster", str(cluster),
         "--microbatches", "8", "--runs-dir", str(tmp_path), "--run-name", "auto",
@@ -155,14 +162,7 @@ def test_run_trains_under_the_planners_choice(tmp_path):
 @pytest.mark.distributed
 def test_run_synchronises_as_the_planner_chose_for_a_slow_link(tmp_path):
     cluster = cluster_file(tmp_path / "cluster.toml", 6e9, bandwidth=1e6)
-    expected = choose_layout(
-        GPTConfig(),
-        read_cluster_file(cluster),
-        global_batch=16,
-        microbatches=8,
-        n_params=gpt_params(GPTConfig()),
-        syncs=AUTO_SYNCS,
-    )
+    expected = plan_gpt(cluster, 8, AUTO_SYNCS)
     assert expected.sync != DDP
     proc = distml_cli(
         "run", "--nproc", "2", "--strategy", "auto", "--cluster", str(cluster),
@@ -183,13 +183,7 @@ def test_a_layout_the_config_refuses_gives_way_to_the_next_best(tmp_path):
     one micro-batch is too few for 1F1B over two stages: the config refuses pp=2 and the run
     goes ahead under the planner's second choice."""
     cluster = cluster_file(tmp_path / "cluster.toml", 6e9, bandwidth=1e6)
-    ranked = choose_layout(
-        GPTConfig(),
-        read_cluster_file(cluster),
-        global_batch=16,
-        microbatches=1,
-        n_params=gpt_params(GPTConfig()),
-    ).ranked
+    ranked = plan_gpt(cluster, 1).ranked
     assert ranked[0].layout.pp == 2
     second = ranked[1].layout.mesh_sizes()
     proc = distml_cli(
