@@ -124,14 +124,13 @@ def loss_curve(name: str, args: argparse.Namespace, runs: Path) -> list[tuple[in
 def _medians(runs: list[dict[str, Any]], curve, target: float) -> dict[str, Any]:
     """One strategy at one rate: the medians of its repeats, and its time to the target."""
     median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    rates = [GLOBAL_BATCH / r["step_s"] for r in runs]
     reached = steps_to_target(curve, target)
     ttt = None if reached is None else median["warmup_s"] + (reached - WARMUP) * median["step_s"]
     return median | {
         "measured": time.strftime("%Y-%m-%d %H:%M"),
         "samples_per_s": GLOBAL_BATCH / median["step_s"],
-        "samples_per_s_range": sorted(GLOBAL_BATCH / r["step_s"] for r in runs)[:: len(runs) - 1]
-        if len(runs) > 1
-        else [GLOBAL_BATCH / median["step_s"]] * 2,
+        "samples_per_s_range": [min(rates), max(rates)],
         "repeats": len(runs),
         "steps_to_target": reached,
         "time_to_target_s": ttt,

@@ -15,9 +15,9 @@ from distml.cli.main import app
 from distml.config import ConfigError, GPTConfig, ParallelConfig, StrategyConfig
 from distml.layout import Layout
 from distml.models import GPT
-from distml.plan.auto import DDP, choose_layout, gpt_params, is_replicas
+from distml.plan.auto import choose_layout, gpt_params, is_replicas
 from distml.plan.bench import read_cluster_file
-from distml.plan.sync import AUTO_SYNCS, Sync, steps_factor, sync_of
+from distml.plan.sync import AUTO_SYNCS, DDP, Sync, steps_factor, sync_of
 
 GPT_EXAMPLE = str(Path(__file__).parents[2] / "examples" / "gpt" / "train.py")
 

@@ -456,10 +456,10 @@ def _planned_config(
     chose one). The config has the last word: a layout it refuses (too few micro-batches for
     that many stages, say) gives way to the next best."""
     from distml.config import GPTConfig
-    from distml.plan.auto import DDP, choose_layout, gpt_params, plan_record
+    from distml.plan.auto import choose_layout, gpt_params, plan_record
     from distml.plan.bench import read_cluster_file
     from distml.plan.cost_model import Cluster
-    from distml.plan.sync import AUTO_SYNCS, sync_of
+    from distml.plan.sync import AUTO_SYNCS, DDP, sync_of
     from distml.telemetry.units import format_bytes
 
     if not cluster_file.is_file():
@@ -475,12 +475,7 @@ def _planned_config(
         raise ConfigError("--strategy auto plans a fixed world: give --nnodes N, not a range")
     model = cfg.model or GPTConfig()
     par = cfg.parallel
-    user_sync = any(
-        key.startswith("strategy.") and key.split(".", 1)[1] in SYNC_FIELDS
-        for key, _ in assignments
-    ) or (
-        config_file is not None and SYNC_FIELDS & load_config(config_file).strategy.model_fields_set
-    )
+    user_sync = bool(SYNC_FIELDS & cfg.strategy.model_fields_set)  # from the file or --set
     choice = choose_layout(
         model,
         Cluster(measured.device, cfg.world_size, cfg.nproc, measured.calibration),

@@ -63,8 +63,7 @@ def _sync_options(best: list[Prediction], model: ModelSpec, cluster: Cluster) ->
     replicas = next((p for p in best if is_replicas(p.layout)), None)
     if replicas is None:
         return []
-    gloo = cluster.device.name == "cpu"  # a CPU cluster distml bench measured
-    options = sync_options(replicas, AUTO_SYNCS, model.weight_shapes(), gloo=gloo)
+    options = sync_options(replicas, AUTO_SYNCS, model.weight_shapes(), gloo=cluster.device.gloo)
     return sorted(options, key=lambda o: o.time_to_loss_s)
 
 

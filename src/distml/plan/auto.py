@@ -24,7 +24,7 @@ from distml.config import ConfigError, GPTConfig
 from distml.layout import RUNNABLE_ZERO, Layout
 from distml.plan.cost_model import Cluster, ModelSpec, Prediction, Training, predict
 from distml.plan.search import divisors
-from distml.plan.sync import STEPS_RULE, Sync, data_parallel_step, steps_factor
+from distml.plan.sync import DDP, STEPS_RULE, Sync, data_parallel_step, steps_factor
 from distml.telemetry.units import format_bytes
 
 
@@ -125,9 +125,6 @@ def sharded_profile_shapes(
         for lay in distml_layouts(cfg, devices, global_batch, microbatches)
         if lay.data_parallel > 1 and (lay.zero or lay.model_parallel)
     }
-
-
-DDP = Sync("ddp")
 
 
 @dataclass(frozen=True)
@@ -241,10 +238,9 @@ def choose_layout(
         )
     options: list[Option] = []
     shapes = gpt_shapes(cfg) if any(sync != DDP for sync in syncs) else []
-    gloo = cluster.device.chip is None  # a device distml bench measured: CPU workers on gloo
     for pred in fits:
         if is_replicas(pred.layout) and shapes:
-            options += sync_options(pred, syncs, shapes, gloo=gloo)
+            options += sync_options(pred, syncs, shapes, gloo=cluster.device.gloo)
         else:
             options.append(Option(pred))
     options.sort(key=lambda o: o.time_to_loss_s)

@@ -49,6 +49,11 @@ class Device:
     # ``distml bench`` measured, whose step the formulas (or its calibration) give.
     chip: Chip | None = None
 
+    @property
+    def gloo(self) -> bool:
+        """CPU workers, whose collectives run on gloo (``distml bench`` names a CPU "cpu")."""
+        return self.name == "cpu"
+
 
 def named_device(chip: Chip) -> Device:
     """A :class:`Device` for a published GPU, its links those of its usual node."""
@@ -289,7 +294,7 @@ def predict(model: ModelSpec, cluster: Cluster, training: Training, layout: Layo
         # finds most of DDP's all-reduce time in the step there (BENCHMARKS.md, slow links).
         critical_s = comm.get("tp_all_reduce", 0.0) / tp_bw + comm.get("pp_send_recv", 0.0) / dp_bw
         dp_s = sum(v for k, v in comm.items() if k.startswith("dp_")) / dp_bw
-        overlap = training.dp_overlap and device.name != "cpu"
+        overlap = training.dp_overlap and not device.gloo
         backward_s = compute_s * (0.75 if training.recompute == "full" else 2 / 3) * overlap
         dp_exposed_s = max(0.0, dp_s - backward_s)
         comm_s = critical_s + dp_s

@@ -96,6 +96,8 @@ class Sync:
         raise ValueError(f"{self.label} is a layout, not a setting of a data-parallel run")
 
 
+DDP = Sync("ddp")
+
 # The stated rule: optimizer steps to a given loss, relative to DDP's, for the strategies that
 # change the optimisation, by label (a PowerSGD rank not listed takes ``powersgd``'s). They are
 # the loss curves benchmarks/network.py measures for the GPT (steps to DDP's loss, rounded up to
@@ -120,7 +122,7 @@ def steps_factor(sync: Sync, rule: Mapping[str, float] = STEPS_RULE) -> float:
 
 # What ``distml run --strategy auto`` weighs for a data-parallel layout.
 AUTO_SYNCS: tuple[Sync, ...] = (
-    Sync("ddp"),
+    DDP,
     Sync("ddp-fp16"),
     Sync("powersgd", rank=2),
     Sync("powersgd", rank=8),
@@ -206,7 +208,7 @@ def data_parallel_step(
     step_s, comm_s, exposed_s = ddp
     steps = 10**6
     ratio = wire_bytes_per_step(sync, shapes, ranks, steps=steps, gloo=gloo) / (
-        wire_bytes_per_step(Sync("ddp"), shapes, ranks, steps=steps, gloo=gloo)
+        wire_bytes_per_step(DDP, shapes, ranks, steps=steps, gloo=gloo)
     )
     comm = comm_s * ratio
     exposed = comm if sync.averages_parameters else max(0.0, comm - (comm_s - exposed_s))
