@@ -126,7 +126,7 @@ def test_a_service_started_by_distml_serves_on_the_port_it_was_handed(tmp_path):
     with socket.socket() as rival, pytest.raises(OSError) as taken:
         rival.bind(("127.0.0.1", port))
     assert taken.value.errno == errno.EADDRINUSE
-    shard = ChildProcess(tmp_path / "shard.log", listen=listen)
+    shard = ChildProcess(tmp_path / "shard.log", listen=[listen])
     argv = [sys.executable, "-m", "distml", "ps", "serve", "--port", "1"]
     shard.start(argv, {**os.environ, "DISTML_TOKEN": "t" * 32})
     assert listen.fileno() == -1  # handed over: the child owns the port now

@@ -68,11 +68,13 @@ def test_a_batch_larger_than_the_row_cap_is_a_usage_error(tmp_path):
 
 
 @pytest.mark.distributed
-def test_serve_command_serves_and_stops(tmp_path):
+@pytest.mark.parametrize("balance", ["router", "kernel"])
+def test_serve_command_serves_and_stops(tmp_path, balance):
     save_model(DigitsCNN(), str(tmp_path / "model.safetensors"))
     port = free_port()
     argv = [sys.executable, "-m", "distml.cli.serve", str(tmp_path), "--replicas", "1"]
     argv += ["--model", "digits-cnn", "--port", str(port), "--log-dir", str(tmp_path / "logs")]
+    argv += ["--balance", balance]
     proc = subprocess.Popen(argv, env={**os.environ, TOKEN_ENV: TOKEN})
     url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {TOKEN}"}
     try:
@@ -103,12 +105,20 @@ def test_serve_command_serves_and_stops(tmp_path):
     assert code == 0
 
 
+def test_tls_on_a_shared_port_is_a_usage_error(tmp_path):
+    save_model(DigitsCNN(), str(tmp_path / "model.safetensors"))
+    command = ["serve", str(tmp_path), "--balance", "kernel", "--ssl-certfile", "c.pem"]
+    result = CliRunner().invoke(_root(), command, env={TOKEN_ENV: TOKEN})
+    assert result.exit_code == 2 and "--balance router" in result.output, result.output
+
+
 def test_no_token_beyond_the_loopback_is_a_usage_error():
     runner = CliRunner()
     for command in (
         ["serve", "ckpt", "--host", "0.0.0.0"],
         ["serve", "replica", "ckpt", "--host", "0.0.0.0"],
         ["serve", "replica", "ckpt", "--grpc-port", "9001", "--grpc-host", "0.0.0.0"],
+        ["serve", "replica", "ckpt", "--shared-port", "9001", "--shared-host", "0.0.0.0"],
     ):
         result = runner.invoke(_root(), command, env={TOKEN_ENV: None})
         assert result.exit_code == 2, result.output

@@ -1,6 +1,7 @@
 """``distml serve``: a model behind the Open Inference Protocol, on one machine or many.
 
     distml serve CHECKPOINT --replicas 2 --model digits-cnn     # replicas + router, this host
+    distml serve CHECKPOINT --replicas 2 --balance kernel      # replicas sharing one port
     distml serve replica CHECKPOINT --model digits-cnn --port 8101   # one replica, any host
     distml serve router --replica http://a:8101 --replica http://b:8101 --port 8100
 
@@ -14,9 +15,11 @@ With ``--grpc-port`` the replicas also serve the KServe v2 gRPC API (``pip insta
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
 import typer
@@ -90,6 +93,14 @@ def _grpc_service_class() -> Any:
     return GrpcService
 
 
+def _until_signal() -> None:
+    """Block until SIGINT or SIGTERM."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
 def _check_rows(max_batch_size: int, max_batch_rows: int) -> None:
     """A batch the batcher fills may not outgrow the cap on one forward pass."""
     if max_batch_size > max_batch_rows:
@@ -119,12 +130,22 @@ def deploy(
             min=1,
             max=65535,
             help="Replica i also serves the KServe v2 gRPC API on GRPC_PORT + i, at --host "
-            "(the router stays HTTP; pip install 'distml[grpc]').",
+            "(the router stays HTTP; pip install 'distml\\[grpc]').",
         ),
     ] = None,
+    balance: Annotated[
+        Literal["router", "kernel"],
+        typer.Option(
+            help="router: a router in front retries a failed request on another replica. "
+            "kernel: the replicas share --port (SO_REUSEPORT) and the kernel spreads the "
+            "connections, with no hop between: less CPU a request, but a replica that dies "
+            "fails the requests it holds.",
+        ),
+    ] = "router",
 ) -> None:
-    """Start REPLICAS replica processes of CHECKPOINT on this machine and a router in front of
-    them; a replica that dies is restarted. Ctrl-C drains the router, then stops the replicas."""
+    """Start REPLICAS replica processes of CHECKPOINT on this machine, behind a router or sharing
+    one port; a replica that dies is restarted. Ctrl-C drains the router (or the replicas), then
+    stops the replicas."""
     from distml.config import ConfigError
     from distml.jobs.replicas import ReplicaCommand, ReplicaSet
     from distml.serve.model import load_served_model
@@ -143,6 +164,12 @@ def deploy(
             )
         if grpc_port + replicas - 1 > 65535:
             fail_usage(f"--grpc-port: {replicas} ports from {grpc_port} go past port 65535")
+    kernel = balance == "kernel"
+    if kernel and ssl_certfile:
+        fail_usage(
+            "--balance kernel: the replicas serve plain HTTP; for TLS use --balance router, "
+            "or put a TLS terminator in front of the shared port"
+        )
     try:
         served = load_served_model(checkpoint, model, name)  # fail here, not in every replica
     except ConfigError as exc:
@@ -156,6 +183,7 @@ def deploy(
         max_batch_rows,
         grpc_port=grpc_port,
         grpc_host=host,
+        shared=(host, port) if kernel else None,
     )
     console = Console(stderr=True)
     scheme = "https" if ssl_certfile else "http"
@@ -163,7 +191,8 @@ def deploy(
 
         def started() -> None:
             url = _url(scheme, host, port)
-            console.print(f"serving {replicas} replica(s) at {url}/v2", highlight=False)
+            how = ", sharing the port" if kernel else ""
+            console.print(f"serving {replicas} replica(s){how} at {url}/v2", highlight=False)
             if replica_set.grpc_targets:
                 targets = ", ".join(replica_set.grpc_targets)
                 console.print(f"gRPC (KServe v2) on the replicas at {targets}", highlight=False)
@@ -175,6 +204,10 @@ def deploy(
             replica_set.wait_ready()
         except (RuntimeError, TimeoutError) as exc:
             report_failure("the replicas did not start", exc)
+        if kernel:
+            started()
+            _until_signal()  # leaving the block stops the replicas: each finishes its requests
+            return
         router = Router(replica_set.urls, token)
         run_router(
             create_router_app(router, token),
@@ -206,14 +239,27 @@ def replica(
             min=1,
             max=65535,
             help="Also serve the KServe v2 gRPC API on this port, over TLS with --ssl-certfile "
-            "and --ssl-keyfile (pip install 'distml[grpc]').",
+            "and --ssl-keyfile (pip install 'distml\\[grpc]').",
         ),
     ] = None,
     grpc_host: Annotated[
         str | None, typer.Option(help="Address of the gRPC port; default: --host.")
     ] = None,
+    shared_port: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=65535,
+            help="Also serve this port, bound with SO_REUSEPORT: replicas on one host started "
+            "with the same --shared-port share it, and the kernel spreads connections over them.",
+        ),
+    ] = None,
+    shared_host: Annotated[
+        str | None, typer.Option(help="Address of the shared port; default: --host.")
+    ] = None,
 ) -> None:
-    """Serve one replica of CHECKPOINT (put a router in front of several)."""
+    """Serve one replica of CHECKPOINT (put a router in front of several, or give them one
+    --shared-port)."""
     # Requests come with gaps between them, and OpenMP's threads spin through each gap unless
     # told to sleep: the spinning costs a replica several times a request's own CPU (figures in
     # BENCHMARKS.md, serving) and starves the router and the other replicas of the same cores.
@@ -227,7 +273,12 @@ def replica(
 
     _check_rows(max_batch_size, max_batch_rows)
     grpc_host = grpc_host or host
-    token, made = _token(host, *([grpc_host] if grpc_port is not None else []))
+    shared = None if shared_port is None else (shared_host or host, shared_port)
+    token, made = _token(
+        host,
+        *([grpc_host] if grpc_port is not None else []),
+        *([shared[0]] if shared is not None else []),
+    )
     max_body = int(max_body_mb * 2**20)
     grpc = None
     if grpc_port is not None:
@@ -253,7 +304,7 @@ def replica(
         scheme = "https" if ssl_certfile else "http"
         path = f"/v2/models/{quote(served.name, safe='')}"
         _show_made_token(Console(stderr=True), token, _url(scheme, host, port, path))
-    serve(app, host, port, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
+    serve(app, host, port, shared=shared, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
 
 
 @serve_app.command()

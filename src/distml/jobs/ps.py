@@ -107,7 +107,7 @@ def run_ps_job(config: RunConfig, argv: list[str]) -> dict[str, Any]:
                     argv=shard_argv(config_path, port, snapshot),
                     env={TOKEN_ENV: token, **PROCESS_ENV},
                     url=f"http://127.0.0.1:{port}",
-                    listen=listen,
+                    listen=[listen],
                 )
             )
         urls = [s.url for s in servers]

@@ -2,6 +2,10 @@
 any that dies (on the same port, so the router's list of replicas never changes). The router
 takes a dead replica out of rotation on its own; restarting it is this file's only job.
 
+With a shared address (``ReplicaCommand.shared``), every replica also serves one common port,
+bound with ``SO_REUSEPORT``: the kernel spreads the clients' connections over the replicas, with
+no router between them, and each replica's own port stays for its health and metrics.
+
 With a gRPC port P, replica i also serves the KServe v2 gRPC API on port P + i (and again there
 when restarted): the router speaks HTTP only, so gRPC clients reach the replicas directly or
 through a gRPC load balancer of their own.
@@ -13,11 +17,12 @@ through a gRPC load balancer of their own.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -40,10 +45,13 @@ class ReplicaCommand:
     max_batch_rows: int = MAX_BATCH_ROWS
     grpc_port: int | None = None  # the first replica's; the others count up from it
     grpc_host: str = "127.0.0.1"
+    shared: tuple[str, int] | None = None  # (host, port) every replica also serves
 
     def argv(self, port: int, grpc_port: int | None = None) -> list[str]:
         argv = [sys.executable, "-m", "distml.cli.serve", "replica", str(self.checkpoint)]
         argv += ["--host", "127.0.0.1", "--port", str(port)]
+        if self.shared is not None:
+            argv += ["--shared-host", self.shared[0], "--shared-port", str(self.shared[1])]
         if grpc_port is not None:
             argv += ["--grpc-port", str(grpc_port), "--grpc-host", self.grpc_host]
         argv += ["--max-batch-size", str(self.max_batch_size)]
@@ -62,8 +70,8 @@ class ReplicaProcess(ChildProcess):
     grpc_port: int | None = None  # bound by the replica itself (gRPC binds its own port)
 
     def __post_init__(self) -> None:
-        if self.listen is not None:
-            self.port = self.listen.getsockname()[1]
+        if self.listen:
+            self.port = self.listen[0].getsockname()[1]
 
     @property
     def url(self) -> str:
@@ -92,14 +100,17 @@ class ReplicaSet:
         first = command.grpc_port
         if first is not None and first + replicas - 1 > 65535:
             raise ValueError(f"{replicas} gRPC ports from {first} go past port 65535")
+        shared = _shared_sockets(command.shared, replicas)
         self.processes = [
             ReplicaProcess(
                 log_dir / f"replica-{i}.log",
-                listen=listening_socket(),
+                listen=[listening_socket(), *shared[i : i + 1]],
                 grpc_port=None if first is None else first + i,
             )
             for i in range(replicas)
         ]
+        if command.shared is not None:  # a free port chosen: the one a restart binds again
+            self.command = replace(command, shared=(command.shared[0], shared[0].getsockname()[1]))
         # Replicas split the cores between them rather than each taking all of them.
         threads = max(1, (os.cpu_count() or 1) // replicas)
         self._env = {
@@ -114,6 +125,14 @@ class ReplicaSet:
     @property
     def urls(self) -> list[str]:
         return [p.url for p in self.processes]
+
+    @property
+    def shared_url(self) -> str | None:
+        """The address every replica serves, when they share one (``ReplicaCommand.shared``)."""
+        if self.command.shared is None:
+            return None
+        host, port = self.command.shared
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
     @property
     def grpc_targets(self) -> list[str]:
@@ -175,3 +194,14 @@ class ReplicaSet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _shared_sockets(shared: tuple[str, int] | None, replicas: int) -> list[socket.socket]:
+    """A socket a replica on the shared address, bound here so that the port is taken (or
+    found taken) before any replica starts; port 0: a free one, the same for every replica."""
+    if shared is None:
+        return []
+    host, port = shared
+    first = listening_socket(host, port, reuse_port=True)
+    port = first.getsockname()[1]
+    return [first, *(listening_socket(host, port, reuse_port=True) for _ in range(replicas - 1))]

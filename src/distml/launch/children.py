@@ -37,7 +37,7 @@ class ChildProcess:
     popen: subprocess.Popen | None = None
     restarts: int = 0
     exits: list[int] = field(default_factory=list)
-    listen: socket.socket | None = None  # a service's port, bound, until its first start
+    listen: list[socket.socket] = field(default_factory=list)  # a service's ports, until it starts
 
     def start(
         self,
@@ -46,15 +46,14 @@ class ChildProcess:
         inherit_output: bool = False,
     ) -> None:
         """Start an incarnation; with ``inherit_output`` it writes to this process's terminal
-        instead of the log. The first incarnation of a service is handed ``listen``, a bound
-        socket to serve on (:data:`distml.net.ports.LISTEN_FD_ENV`), which this process then
-        closes: the child owns the port from the moment it was chosen, and a restarted one
-        binds it again."""
-        listen, self.listen = self.listen, None
-        fds: tuple[int, ...] = ()
-        if listen is not None:
-            fds = (listen.fileno(),)
-            env = {**env, LISTEN_FD_ENV: str(listen.fileno())}
+        instead of the log. The first incarnation of a service is handed ``listen``, bound
+        sockets to serve on (:data:`distml.net.ports.LISTEN_FD_ENV`), which this process then
+        closes: the child owns its ports from the moment they were chosen, and a restarted one
+        binds them again."""
+        listen, self.listen = self.listen, []
+        fds = tuple(sock.fileno() for sock in listen)
+        if fds:
+            env = {**env, LISTEN_FD_ENV: ",".join(map(str, fds))}
         try:
             if inherit_output:
                 self.popen = subprocess.Popen(
@@ -67,8 +66,8 @@ class ChildProcess:
                     argv, env=env, stdout=out, stderr=out, pass_fds=fds, preexec_fn=_die_with_parent
                 )
         finally:
-            if listen is not None:
-                listen.close()
+            for sock in listen:
+                sock.close()
 
     def poll(self) -> int | None:
         return None if self.popen is None else self.popen.poll()

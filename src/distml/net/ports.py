@@ -13,8 +13,8 @@ import os
 import socket
 
 LISTEN_FD_ENV = "DISTML_LISTEN_FD"
-"""In a service's environment: the descriptor of the listening socket it serves on, inherited
-from the process that started it, in place of binding ``--host``/``--port`` itself."""
+"""In a service's environment: the descriptors (comma-separated) of the listening sockets it
+serves on, inherited from the process that started it, in place of binding them itself."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -23,16 +23,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+def listening_socket(
+    host: str = "127.0.0.1", port: int = 0, *, reuse_port: bool = False
+) -> socket.socket:
     """A TCP socket bound to ``host:port`` (a free port for 0) and listening, to serve on here
-    or to hand to a child process."""
-    sock = socket.create_server((host, port), backlog=2048)
+    or to hand to a child process. With ``reuse_port`` (``SO_REUSEPORT``), every process that
+    binds the same port so shares it, and the kernel spreads new connections over them."""
+    sock = socket.create_server((host, port), backlog=2048, reuse_port=reuse_port)
     sock.set_inheritable(True)
     return sock
 
 
-def inherited_socket() -> socket.socket | None:
-    """The listening socket this process was handed (:data:`LISTEN_FD_ENV`), if any; the
-    variable is cleared, so that this process's own children do not take it for theirs."""
-    fd = os.environ.pop(LISTEN_FD_ENV, None)
-    return None if fd is None else socket.socket(fileno=int(fd))
+def inherited_sockets() -> list[socket.socket]:
+    """The listening sockets this process was handed (:data:`LISTEN_FD_ENV`); the variable is
+    cleared, so that this process's own children do not take them for theirs."""
+    fds = os.environ.pop(LISTEN_FD_ENV, "")
+    return [socket.socket(fileno=int(fd)) for fd in fds.split(",") if fd]

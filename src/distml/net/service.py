@@ -19,11 +19,12 @@ from typing import Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.responses import Response
+from starlette.types import ASGIApp
 
-from distml.net.ports import inherited_socket, listening_socket
+from distml.net.ports import inherited_sockets, listening_socket
 
 DEFAULT_MAX_BODY = 256 * 2**20
 SAFETENSORS = "application/octet-stream"
@@ -107,6 +108,36 @@ class LoopStopped(Exception):
     """Raised by a loop's step when the loop cannot go on; the service then reports unhealthy."""
 
 
+class Tokens:
+    """The bearer tokens a service takes: one shared token, or a mapping ``identity -> token``
+    (one token per client). Looked up by their SHA-256, so that the lookup time says nothing
+    about a guess's prefix."""
+
+    def __init__(self, token: str | Mapping[str, str]):
+        if isinstance(token, str):
+            self._identities: dict[bytes, str | None] = {_digest(token): None}
+        else:
+            self._identities = {_digest(t): identity for identity, t in token.items()}
+            if len(self._identities) < len(token):
+                raise ValueError("two identities share one token")
+
+    def identity(self, authorization: str | None) -> str | None:
+        """Who sent ``authorization`` (an ``Authorization`` header's value): the identity of
+        its token, ``None`` for a shared one. Raises :class:`Unauthorized` for anything else."""
+        scheme, _, credentials = (authorization or "").partition(" ")
+        digest = _digest(credentials.strip()) if scheme.lower() == "bearer" else b""
+        if digest not in self._identities:
+            raise Unauthorized
+        return self._identities[digest]
+
+
+class Unauthorized(Exception):
+    """A request without a token the service knows."""
+
+    detail = "missing or wrong bearer token"
+    headers = {"WWW-Authenticate": "Bearer"}
+
+
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
@@ -123,27 +154,18 @@ def create_app(
 
     ``token`` is one shared token, or a mapping ``identity -> token`` (one token per client):
     a route then finds who called it in ``request.state.identity`` (``None`` for a shared token).
+    ``app.state.tokens`` (:class:`Tokens`) checks them, for a path served beside FastAPI's.
     """
-    bearer = HTTPBearer(auto_error=False)
-    # Tokens are looked up by their SHA-256: the lookup time says nothing about a guess's prefix.
-    if isinstance(token, str):
-        identities: dict[bytes, str | None] = {_digest(token): None}
-    else:
-        identities = {_digest(t): identity for identity, t in token.items()}
-    if len(identities) < (1 if isinstance(token, str) else len(token)):
-        raise ValueError("two identities share one token")
+    tokens = Tokens(token)
+    bearer = HTTPBearer(auto_error=False)  # declares the scheme in the OpenAPI document
 
     # async: a hash and a lookup, never blocking; a plain def would send every request of every
     # service through FastAPI's thread pool for it.
-    async def authenticate(
-        request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)
-    ) -> None:
-        digest = _digest(creds.credentials) if creds is not None else b""
-        if digest not in identities:
-            raise HTTPException(
-                401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
-            )
-        request.state.identity = identities[digest]
+    async def authenticate(request: Request, _: Any = Depends(bearer)) -> None:
+        try:
+            request.state.identity = tokens.identity(request.headers.get("authorization"))
+        except Unauthorized:
+            raise HTTPException(401, Unauthorized.detail, headers=Unauthorized.headers) from None
 
     # The OpenAPI document is served behind the token too (FastAPI's own routes for it and
     # its docs pages would not be).
@@ -155,6 +177,7 @@ def create_app(
         redoc_url=None,
     )
     app.state.registry = registry or CollectorRegistry()
+    app.state.tokens = tokens
     app.state.loops = BackgroundLoops()
 
     @app.get("/openapi.json", include_in_schema=False)
@@ -201,18 +224,21 @@ async def read_chunks(request: Request, limit: int = DEFAULT_MAX_BODY) -> list[b
 
 
 def serve(
-    app: FastAPI,
+    app: ASGIApp,
     host: str,
     port: int,
     *,
+    shared: tuple[str, int] | None = None,
     ssl_certfile: str | None = None,
     ssl_keyfile: str | None = None,
     log_level: str = "warning",
 ) -> None:
     """Serve ``app`` until SIGINT/SIGTERM (uvicorn finishes the requests in flight first), on
-    ``host:port``, or on the listening socket the process that started this one handed over
-    (:data:`distml.net.ports.LISTEN_FD_ENV`)."""
-
+    ``host:port``, and with ``shared`` on that ``(host, port)`` too, bound with ``SO_REUSEPORT``
+    so that every process serving it there takes a share of its connections. Sockets the
+    process that started this one handed over (:data:`distml.net.ports.LISTEN_FD_ENV`) are
+    served in place of binding: the shared port's by its number, the first other one as
+    ``host:port``."""
     config = uvicorn.Config(
         app,
         host=host,
@@ -222,8 +248,19 @@ def serve(
         log_level=log_level,
         access_log=False,
     )
-    sock = inherited_socket()
-    uvicorn.Server(config).run(sockets=None if sock is None else [sock])
+    handed = inherited_sockets()
+    if not handed and shared is None:
+        uvicorn.Server(config).run()  # uvicorn binds host:port itself
+        return
+    shared_socket = None
+    if shared is not None:
+        ours = [s for s in handed if s.getsockname()[1] == shared[1]]
+        shared_socket = ours[0] if ours else listening_socket(*shared, reuse_port=True)
+        handed = [s for s in handed if s is not shared_socket]
+    sockets = [handed[0] if handed else listening_socket(host, port)]
+    if shared_socket is not None:
+        sockets.append(shared_socket)
+    uvicorn.Server(config).run(sockets=sockets)
 
 
 class BackgroundServer:

@@ -11,8 +11,11 @@ ones in flight finish, then the server exits.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from importlib.metadata import version as package_version
 from typing import Annotated, Any
 from urllib.parse import quote
@@ -21,9 +24,12 @@ import uvicorn
 from fastapi import FastAPI, HTTPException, Path, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import Counter, Gauge, Histogram
+from starlette.datastructures import Headers
 from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from distml.net import create_app, read_body
+from distml.net.service import Tokens, Unauthorized
 from distml.serve.protocol import (
     HEADER_LENGTH,
     MAX_INDEX_BODY,
@@ -42,6 +48,98 @@ from distml.serve.router import Draining, NoReplica, Router
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 ModelName = Annotated[str, Path(max_length=256)]
 ModelVersion = Annotated[str, Path(max_length=64)]
+
+
+# The inference routes as FastAPI matches them (a name of at most 256 characters and a version of
+# at most 64, neither holding "/"); :class:`InferPath` answers these before FastAPI does.
+INFER_ROUTE = re.compile(r"/v2/models/([^/]{1,256})(?:/versions/([^/]{1,64}))?/infer")
+
+
+@dataclass
+class Reply:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def error(cls, status: int, message: str, key: str = "error", **headers: str) -> Reply:
+        return cls(status, json.dumps({key: message}).encode(), headers=headers)
+
+
+Relay = Callable[[str, str, bytes, str, "str | None"], Awaitable[Reply]]
+
+
+def model_path(name: str, tail: str = "", version: str | None = None) -> str:
+    # Quoted whole: a name holding "?", "#", "/" or a space stays one path segment.
+    path = f"/v2/models/{quote(name, safe='')}"
+    if version is not None:
+        path += f"/versions/{quote(version, safe='')}"
+    return path + tail
+
+
+class InferPath:
+    """The router's hot path in plain ASGI: ``POST .../infer`` authenticated, read within the
+    body limit and relayed, without FastAPI's routing, dependency injection and response
+    classes, which cost the router more CPU than the relay itself (``benchmarks/serving.py``).
+    Every other request, and every one this path does not match as FastAPI would, goes on to
+    FastAPI, where the inference routes stay declared for the OpenAPI document."""
+
+    def __init__(self, app: ASGIApp, relay: Relay, tokens: Tokens, max_body: int):
+        self.app, self.relay, self.tokens, self.max_body = app, relay, tokens, max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = None
+        if scope["type"] == "http" and scope["method"] == "POST":
+            route = INFER_ROUTE.fullmatch(scope["path"])
+        if route is None:
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        try:
+            self.tokens.identity(headers.get("authorization"))
+        except Unauthorized:
+            reply = Reply.error(401, Unauthorized.detail, "detail", **Unauthorized.headers)
+            return await _respond(send, reply)
+        try:
+            body = await _read(receive, headers.get("content-length"), self.max_body)
+        except HTTPException as exc:
+            return await _respond(send, Reply.error(exc.status_code, str(exc.detail)))
+        if body is None:  # the client went away
+            return None
+        name, version = route.groups()
+        path = model_path(name, "/infer", version)
+        content_type = headers.get("content-type", "")
+        reply = await self.relay("POST", path, body, content_type, headers.get(HEADER_LENGTH))
+        return await _respond(send, reply)
+
+
+async def _read(receive: Receive, declared: str | None, limit: int) -> bytes | None:
+    """The body, or ``None`` should the client disconnect; over ``limit``: a 413 (the declared
+    length is checked first, as :func:`distml.net.read_body` does)."""
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise HTTPException(413, f"body over the limit of {limit} bytes")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"body over the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _respond(send: Send, reply: Reply) -> None:
+    headers = [
+        (b"content-type", reply.content_type.encode("latin-1")),
+        (b"content-length", str(len(reply.body)).encode()),
+        *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers.items()),
+    ]
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": reply.body})
 
 
 def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) -> FastAPI:
@@ -68,6 +166,10 @@ def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) ->
     outcomes = Counter(
         "distml_router_requests", "Requests by outcome", ["outcome"], registry=registry
     )
+    # Each outcome's child looked up once: .labels() on every request costs a lock and a hash.
+    ok, client_error, error, refused, failed = (
+        outcomes.labels(kind) for kind in ("ok", "client_error", "error", "refused", "failed")
+    )
     retries = Counter(
         "distml_router_retries", "Requests sent again to another replica", registry=registry
     )
@@ -86,45 +188,48 @@ def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) ->
         in_flight.labels(replica.url).set_function(lambda r=replica: r.in_flight)
         healthy.labels(replica.url).set_function(lambda r=replica: float(r.healthy))
 
-    async def forward(request: Request, path: str, limit: int = max_body) -> Response:
+    async def relay(
+        method: str, path: str, body: bytes, content_type: str, header_length: str | None
+    ) -> Reply:
+        """A request the caller has authenticated and read, checked and sent on."""
         headers: dict[str, str] = {}
-        body = b""
-        try:
-            if request.method == "POST":
-                body = await read_body(request, limit)
-                header_length = request.headers.get(HEADER_LENGTH)
-                if header_length is not None:  # checked: what reaches a replica is well-formed
-                    parse_header_length(header_length, len(body))
-                    headers[HEADER_LENGTH] = header_length
-        except HTTPException as exc:
-            return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
-        except ProtocolError as exc:
-            return JSONResponse({"error": str(exc)}, status_code=exc.status)
+        if header_length is not None:  # checked: what reaches a replica is well-formed
+            try:
+                parse_header_length(header_length, len(body))
+            except ProtocolError as exc:
+                return Reply.error(exc.status, str(exc))
+            headers[HEADER_LENGTH] = header_length
         with latency.time():
             try:
-                result = await router.forward(
-                    request.method, path, body, request.headers.get("content-type", ""), headers
-                )
+                result = await router.forward(method, path, body, content_type, headers)
             except Draining:
-                outcomes.labels("refused").inc()
-                return JSONResponse({"error": "the router is shutting down"}, status_code=503)
+                refused.inc()
+                return Reply.error(503, "the router is shutting down")
             except NoReplica as exc:
-                outcomes.labels("failed").inc()
-                return JSONResponse({"error": str(exc)}, status_code=503)
+                failed.inc()
+                return Reply.error(503, str(exc))
         if result.attempts > 1:
             retries.inc(result.attempts - 1)
-        kind = "ok" if result.status < 400 else "client_error" if result.status < 500 else "error"
-        outcomes.labels(kind).inc()
-        return Response(
-            result.content, result.status, result.headers, media_type=result.content_type
-        )
+        (ok if result.status < 400 else client_error if result.status < 500 else error).inc()
+        return Reply(result.status, result.content, result.content_type, result.headers)
 
-    def model_path(name: str, tail: str = "", version: str | None = None) -> str:
-        # Quoted whole: a name holding "?", "#", "/" or a space stays one path segment.
-        path = f"/v2/models/{quote(name, safe='')}"
-        if version is not None:
-            path += f"/versions/{quote(version, safe='')}"
-        return path + tail
+    async def forward(request: Request, path: str, limit: int = max_body) -> Response:
+        body = b""
+        if request.method == "POST":
+            try:
+                body = await read_body(request, limit)
+            except HTTPException as exc:
+                return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+        reply = await relay(
+            request.method,
+            path,
+            body,
+            request.headers.get("content-type", ""),
+            request.headers.get(HEADER_LENGTH) if request.method == "POST" else None,
+        )
+        return Response(reply.body, reply.status, reply.headers, media_type=reply.content_type)
+
+    app.add_middleware(InferPath, relay=relay, tokens=app.state.tokens, max_body=max_body)
 
     about = server_metadata("distml", package_version("distml"))
 
