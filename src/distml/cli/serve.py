@@ -1,7 +1,7 @@
 """``distml serve``: a model behind the Open Inference Protocol, on one machine or many.
 
-    distml serve CHECKPOINT --replicas 2 --model digits-cnn     # replicas + router, this host
-    distml serve CHECKPOINT --replicas 2 --balance kernel      # replicas sharing one port
+    distml serve CHECKPOINT --replicas 2 --model digits-cnn    # replicas sharing one port (Linux)
+    distml serve CHECKPOINT --replicas 2 --balance router      # replicas behind a router
     distml serve replica CHECKPOINT --model digits-cnn --port 8101   # one replica, any host
     distml serve router --replica http://a:8101 --replica http://b:8101 --port 8100
 
@@ -134,17 +134,20 @@ def deploy(
         ),
     ] = None,
     balance: Annotated[
-        Literal["router", "kernel"],
+        Literal["router", "kernel"] | None,
         typer.Option(
-            help="router: a router in front retries a failed request on another replica. "
-            "kernel: the replicas share --port (SO_REUSEPORT) and the kernel spreads the "
+            help="kernel: the replicas share --port (SO_REUSEPORT) and the kernel spreads the "
             "connections, with no hop between: less CPU a request, but a replica that dies "
-            "fails the requests it holds.",
+            "fails the requests it holds. router: a router in front retries a failed request "
+            "on another replica, and terminates TLS. Default: kernel on Linux, router with "
+            "--ssl-certfile or on other systems (where SO_REUSEPORT does not spread "
+            "connections).",
+            show_default=False,
         ),
-    ] = "router",
+    ] = None,
 ) -> None:
-    """Start REPLICAS replica processes of CHECKPOINT on this machine, behind a router or sharing
-    one port; a replica that dies is restarted. Ctrl-C drains the router (or the replicas), then
+    """Start REPLICAS replica processes of CHECKPOINT on this machine, sharing one port or behind
+    a router; a replica that dies is restarted. Ctrl-C drains the router (or the replicas), then
     stops the replicas."""
     from distml.config import ConfigError
     from distml.jobs.replicas import ReplicaCommand, ReplicaSet
@@ -164,6 +167,8 @@ def deploy(
             )
         if grpc_port + replicas - 1 > 65535:
             fail_usage(f"--grpc-port: {replicas} ports from {grpc_port} go past port 65535")
+    if balance is None:
+        balance = "kernel" if sys.platform == "linux" and not ssl_certfile else "router"
     kernel = balance == "kernel"
     if kernel and ssl_certfile:
         fail_usage(

@@ -25,10 +25,12 @@ import torch
 from fastapi import FastAPI, HTTPException, Path, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import Counter, Histogram
+from starlette.datastructures import Headers
 from starlette.responses import Response
 
 from distml.net import create_app, read_body
 from distml.serve.batching import MAX_BATCH_ROWS, BatchFailed, DynamicBatcher, InferenceFailed
+from distml.serve.infer_path import InferPath, Reply
 from distml.serve.model import ServedModel
 from distml.serve.protocol import (
     HEADER_LENGTH,
@@ -82,6 +84,7 @@ def create_replica_app(
     requests = Counter(
         "distml_replica_requests", "Inference requests by outcome", ["outcome"], registry=registry
     )
+    ok, rejected, failed = (requests.labels(kind) for kind in ("ok", "rejected", "failed"))
     latency = Histogram(
         "distml_replica_latency_seconds", "Inference latency in the replica", registry=registry
     )
@@ -115,13 +118,13 @@ def create_replica_app(
 
     @app.exception_handler(ProtocolError)
     async def protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:
-        requests.labels("rejected").inc()
+        rejected.inc()
         return JSONResponse({"error": str(exc)}, status_code=exc.status)
 
     @app.exception_handler(BatchFailed)
     async def batch_failed(request: Request, exc: BatchFailed) -> JSONResponse:
         # 503: the replica's fault, not the request's; a router sends it to another replica.
-        requests.labels("failed").inc()
+        failed.inc()
         return JSONResponse({"error": str(exc)}, status_code=503)
 
     def check_name(name: str, version: str = VERSION) -> None:
@@ -172,28 +175,43 @@ def create_replica_app(
         await ready()
         return {"name": served.name, "ready": True}
 
-    async def run_inference(request: Request, name: str, version: str = VERSION) -> Response:
-        check_name(name, version)
-        body = await _read_body(request, max_body)
-        header_length = request.headers.get(HEADER_LENGTH)
-        parsed, x = decode_request(body, served.input, max_batch_rows, header_length)
-        wanted = [o.name for o in parsed.outputs or []]
-        if any(o != served.output.name for o in wanted):
-            raise ProtocolError(400, f"unknown output; the model gives {served.output.name!r}")
-        start = time.perf_counter()
-        y = await _predict(batcher, x)
+    async def answer(name: str, version: str | None, body: bytes, headers: Headers) -> Reply:
+        """An inference request, authenticated and read, answered; a refusal in the protocol's
+        error shape, as the exception handlers above give it on the other routes."""
+        try:
+            check_name(name, version or VERSION)
+            header_length = headers.get(HEADER_LENGTH)
+            parsed, x = decode_request(body, served.input, max_batch_rows, header_length)
+            if any(o.name != served.output.name for o in parsed.outputs or []):
+                raise ProtocolError(400, f"unknown output; the model gives {served.output.name!r}")
+            start = time.perf_counter()
+            y = await _predict(batcher, x)
+        except ProtocolError as exc:
+            rejected.inc()
+            return Reply.error(exc.status, str(exc))
+        except BatchFailed as exc:
+            failed.inc()
+            return Reply.error(503, str(exc))
         latency.observe(time.perf_counter() - start)
-        requests.labels("ok").inc()
-        answer = InferResponse(
+        ok.inc()
+        result = InferResponse(
             model_name=served.name,
             model_version=VERSION,
             id=parsed.id,
             outputs=[to_output(y, served.output, parsed.wants_binary(served.output.name))],
         )
-        content, json_length = encode_response(answer, [y])
+        content, json_length = encode_response(result, [y])
         if json_length is None:
-            return Response(content, media_type="application/json")
-        return Response(content, media_type=OCTET_STREAM, headers={HEADER_LENGTH: str(json_length)})
+            return Reply(200, content)
+        return Reply(200, content, OCTET_STREAM, {HEADER_LENGTH: str(json_length)})
+
+    # The inference routes' hot path; the FastAPI routes below answer what it passes on.
+    app.add_middleware(InferPath, handler=answer, tokens=app.state.tokens, max_body=max_body)
+
+    async def run_inference(request: Request, name: str, version: str | None = None) -> Response:
+        body = await _read_body(request, max_body)
+        reply = await answer(name, version, body, request.headers)
+        return Response(reply.body, reply.status, reply.headers, media_type=reply.content_type)
 
     @app.get("/v2/models/{name}")
     async def metadata(name: ModelName) -> ModelMetadata:

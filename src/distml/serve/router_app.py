@@ -11,11 +11,8 @@ ones in flight finish, then the server exits.
 from __future__ import annotations
 
 import asyncio
-import json
-import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from importlib.metadata import version as package_version
 from typing import Annotated, Any
 from urllib.parse import quote
@@ -26,10 +23,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import Counter, Gauge, Histogram
 from starlette.datastructures import Headers
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from distml.net import create_app, read_body
-from distml.net.service import Tokens, Unauthorized
+from distml.serve.infer_path import InferPath, Reply
 from distml.serve.protocol import (
     HEADER_LENGTH,
     MAX_INDEX_BODY,
@@ -50,96 +46,12 @@ ModelName = Annotated[str, Path(max_length=256)]
 ModelVersion = Annotated[str, Path(max_length=64)]
 
 
-# The inference routes as FastAPI matches them (a name of at most 256 characters and a version of
-# at most 64, neither holding "/"); :class:`InferPath` answers these before FastAPI does.
-INFER_ROUTE = re.compile(r"/v2/models/([^/]{1,256})(?:/versions/([^/]{1,64}))?/infer")
-
-
-@dataclass
-class Reply:
-    status: int
-    body: bytes
-    content_type: str = "application/json"
-    headers: dict[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def error(cls, status: int, message: str, key: str = "error", **headers: str) -> Reply:
-        return cls(status, json.dumps({key: message}).encode(), headers=headers)
-
-
-Relay = Callable[[str, str, bytes, str, "str | None"], Awaitable[Reply]]
-
-
 def model_path(name: str, tail: str = "", version: str | None = None) -> str:
     # Quoted whole: a name holding "?", "#", "/" or a space stays one path segment.
     path = f"/v2/models/{quote(name, safe='')}"
     if version is not None:
         path += f"/versions/{quote(version, safe='')}"
     return path + tail
-
-
-class InferPath:
-    """The router's hot path in plain ASGI: ``POST .../infer`` authenticated, read within the
-    body limit and relayed, without FastAPI's routing, dependency injection and response
-    classes, which cost the router more CPU than the relay itself (``benchmarks/serving.py``).
-    Every other request, and every one this path does not match as FastAPI would, goes on to
-    FastAPI, where the inference routes stay declared for the OpenAPI document."""
-
-    def __init__(self, app: ASGIApp, relay: Relay, tokens: Tokens, max_body: int):
-        self.app, self.relay, self.tokens, self.max_body = app, relay, tokens, max_body
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = None
-        if scope["type"] == "http" and scope["method"] == "POST":
-            route = INFER_ROUTE.fullmatch(scope["path"])
-        if route is None:
-            return await self.app(scope, receive, send)
-        headers = Headers(scope=scope)
-        try:
-            self.tokens.identity(headers.get("authorization"))
-        except Unauthorized:
-            reply = Reply.error(401, Unauthorized.detail, "detail", **Unauthorized.headers)
-            return await _respond(send, reply)
-        try:
-            body = await _read(receive, headers.get("content-length"), self.max_body)
-        except HTTPException as exc:
-            return await _respond(send, Reply.error(exc.status_code, str(exc.detail)))
-        if body is None:  # the client went away
-            return None
-        name, version = route.groups()
-        path = model_path(name, "/infer", version)
-        content_type = headers.get("content-type", "")
-        reply = await self.relay("POST", path, body, content_type, headers.get(HEADER_LENGTH))
-        return await _respond(send, reply)
-
-
-async def _read(receive: Receive, declared: str | None, limit: int) -> bytes | None:
-    """The body, or ``None`` should the client disconnect; over ``limit``: a 413 (the declared
-    length is checked first, as :func:`distml.net.read_body` does)."""
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise HTTPException(413, f"body over the limit of {limit} bytes")
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise HTTPException(413, f"body over the limit of {limit} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-async def _respond(send: Send, reply: Reply) -> None:
-    headers = [
-        (b"content-type", reply.content_type.encode("latin-1")),
-        (b"content-length", str(len(reply.body)).encode()),
-        *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers.items()),
-    ]
-    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-    await send({"type": "http.response.body", "body": reply.body})
 
 
 def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) -> FastAPI:
@@ -229,7 +141,12 @@ def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) ->
         )
         return Response(reply.body, reply.status, reply.headers, media_type=reply.content_type)
 
-    app.add_middleware(InferPath, relay=relay, tokens=app.state.tokens, max_body=max_body)
+    async def infer(name: str, version: str | None, body: bytes, headers: Headers) -> Reply:
+        path = model_path(name, "/infer", version)
+        content_type = headers.get("content-type", "")
+        return await relay("POST", path, body, content_type, headers.get(HEADER_LENGTH))
+
+    app.add_middleware(InferPath, handler=infer, tokens=app.state.tokens, max_body=max_body)
 
     about = server_metadata("distml", package_version("distml"))
 
