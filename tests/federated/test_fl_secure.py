@@ -10,6 +10,7 @@ import httpx
 import torch
 from torch.utils.data import TensorDataset
 
+from conftest import wait_for
 from distml.data import digits
 from distml.federated.app import create_fl_app
 from distml.federated.client import FederatedClient, run_clients
@@ -92,33 +93,46 @@ def test_a_client_leaving_after_sharing_keys_leaves_exactly_the_survivors_mean()
         torch.testing.assert_close(secure.params[name], want, rtol=0, atol=1e-5)
 
 
-def advertise_a_low_order_key(url, server):
-    """Client d advertises the all-zero X25519 key, is refused, and says nothing more: the
-    advertising stage waits for it until its deadline."""
-    task = None
-    while task is None:
-        response = httpx.get(url + "/v1/task", headers=auth("d"))
-        task = response.json() if response.status_code == 200 else None
-    keys = {
-        "c_pk": base64.b64encode(bytes(32)).decode(),
-        "s_pk": base64.b64encode(bytes(32)).decode(),
-    }
-    refused = httpx.post(url + "/v1/secagg/advertise", content=json.dumps(keys),
-                         headers=auth("d"), params={"round": task["round"]})  # fmt: skip
-    REFUSALS.append((refused.status_code, refused.text))
+def advertise_a_low_order_key(seen):
+    """Client d advertises the all-zero X25519 key and is refused; once the others have
+    advertised, ``seen`` records what the advertising stage still waits for (d alone: the refused
+    key counts for nothing), and d leaves, so that no deadline decides the round."""
 
+    def client_d(url, server):
+        task = None
+        while task is None:
+            response = httpx.get(url + "/v1/task", headers=auth("d"))
+            task = response.json() if response.status_code == 200 else None
+        keys = {
+            "c_pk": base64.b64encode(bytes(32)).decode(),
+            "s_pk": base64.b64encode(bytes(32)).decode(),
+        }
+        refused = httpx.post(url + "/v1/secagg/advertise", content=json.dumps(keys),
+                             headers=auth("d"), params={"round": task["round"]})  # fmt: skip
+        seen["refusal"] = (refused.status_code, refused.text)
+        stages = server.round.secure
+        try:
+            wait_for(lambda: len(stages.server.waiting_for()) < 2, 30, "a and b to advertise")
+            seen["waiting"] = (stages.open_stage(), stages.server.waiting_for(), stages.ids["d"])
+        finally:
+            httpx.post(url + "/v1/leave", headers=auth("d")).raise_for_status()
 
-REFUSALS = []
+    return client_d
 
 
 def test_a_client_advertising_a_low_order_key_is_refused_and_the_honest_ones_finish():
-    secure = run_round(NAMES, secure=True, silent=("d",), timeout=4.0,
-                       on_url=advertise_a_low_order_key)  # fmt: skip
-    assert len(REFUSALS) == 1 and REFUSALS[0][0] == 422 and "low-order" in REFUSALS[0][1]
+    seen = {}
+    secure = run_round(NAMES[:2] + ("d",), secure=True, silent=("d",),
+                       on_url=advertise_a_low_order_key(seen))  # fmt: skip
+    status, text = seen["refusal"]
+    assert status == 422 and "low-order" in text
+    stage, waiting, d = seen["waiting"]
+    assert (stage, waiting) == ("advertise", {d})
     record = secure.history[0]
-    assert (record["status"], record["participants"], record["dropped"]) == ("completed", 3, 1)
-    plain = run_round(NAMES[:3], secure=False)
+    assert (record["status"], record["participants"], record["dropped"]) == ("completed", 2, 1)
+    plain = run_round(NAMES[:2], secure=False)
     for name, want in plain.params.items():
+        # Each coordinate is quantised to 2^-20: two clients, weights > 0.4 each.
         torch.testing.assert_close(secure.params[name], want, rtol=0, atol=1e-5)
 
 
