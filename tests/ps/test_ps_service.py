@@ -4,13 +4,13 @@ three consistency rules, backup workers, heartbeats and snapshots."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
 from shard_helpers import AUTH, INIT, TOKEN, client_for, push, spec, state
 
+from conftest import wait_for
 from distml.net import decode_tensors, encode_tensors
 from distml.ps.app import create_shard_app
 from distml.ps.shard import ParameterShard, ShardSettings
@@ -152,20 +152,26 @@ def test_staleness_aware_learning_rate_divides_by_one_plus_staleness():
 
 
 def test_a_silent_bsp_worker_leaves_the_barrier_and_is_readmitted():
-    # A timeout long against the beats' gaps, even on a busy machine: worker 0 stays live.
-    client = client_for(consistency="bsp", workers=2, heartbeat_timeout_s=2.0)
+    # The watcher looks every 50 ms, a quarter of the timeout the shard started with; the timeout
+    # is then made long, so that no beat has to come in time on a busy machine, and the workers'
+    # silences are their last beats moved back: no test waits for a clock.
+    client = client_for(consistency="bsp", workers=2, heartbeat_timeout_s=0.2)
+    workers = client.shard.workers
+    client.shard.settings.heartbeat_timeout_s = 600.0
     for w in (0, 1):
         client.post("/v1/register", params={"worker": w})
     push(client, 0, 0)
-    assert client.shard.version == 0
-    deadline = time.monotonic() + 60
-    while client.shard.version == 0:  # worker 0 beats, worker 1 stays silent past the timeout
-        assert time.monotonic() < deadline, "the watcher never completed the step"
-        client.post("/v1/heartbeat", params={"worker": 0})
-        time.sleep(0.05)
+    assert client.shard.version == 0 and client.shard.quorum() == 2
+    workers[0].last_seen -= 300.0  # half the timeout: still live, and its beat renews it
+    workers[1].last_seen -= 600.0  # silent for the timeout
+    aged = workers[0].last_seen
+    assert client.post("/v1/heartbeat", params={"worker": 0}).status_code == 200
+    assert workers[0].last_seen > aged
+    wait_for(lambda: client.shard.version == 1, 60, "the watcher to complete the step")
     # The watcher has completed the step without worker 1.
     assert client.shard.version == 1 and client.shard.quorum() == 1
-    assert client.get("/v1/status").json()["workers"]["1"]["live"] is False
+    live = {w: s["live"] for w, s in client.get("/v1/status").json()["workers"].items()}
+    assert live == {"0": True, "1": False}
     client.post("/v1/register", params={"worker": 1})  # back: the barrier waits for it again
     assert client.shard.quorum() == 2
     push(client, 0, 1, version=1)
