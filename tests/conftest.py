@@ -211,6 +211,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.fuzz)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build matplotlib's font list now, before the process guard below is armed: where it has
+    no cache yet (a fresh machine, an empty MPLCONFIGDIR) matplotlib runs ``fc-list`` in a
+    subprocess the first time it draws, which a test that renders a plot would be refused."""
+    import matplotlib.font_manager  # noqa: F401  (its import loads or builds the font list)
+
+
 class StartsAProcess(RuntimeError):
     """A test that is not marked ``distributed`` tried to start a process."""
 
