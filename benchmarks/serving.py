@@ -4,8 +4,8 @@
     python benchmarks/serving.py --part peers          # distml against MLServer and KServe
     python benchmarks/serving.py --requests 2000 --concurrency 32 --repeats 1
 
-Part ``peers``: ``distml serve`` as the README starts it (2 replicas behind the router), with the
-replicas sharing one port instead (``--balance kernel``), one replica alone with batching and
+Part ``peers``: ``distml serve`` as the README starts it (2 replicas sharing one port, on
+Linux), the same behind the router (``--balance router``), one replica alone with batching and
 without, against MLServer 1.7 and KServe 0.21's Python server serving the same model class and
 weights (``benchmarks/peers/``), each in a virtual environment of its own that this script
 makes on first use (their web stacks pin versions that conflict with distml's and with each
@@ -201,9 +201,9 @@ def deployment(checkpoint: Path, replicas: int, max_batch: int, fn) -> dict[str,
 
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
 REPO = PEERS_DIR.parents[1]
-README_ROW = "distml serve (README: 2 replicas, router)"
-KERNEL_ROW = "distml serve --balance kernel (2 replicas)"
-ROUTED_ROW = "distml serve --replicas 1 (router)"
+README_ROW = "distml serve, as the README starts it (2 replicas, one port)"
+ROUTER_ROW = "distml serve --balance router (2 replicas)"
+ROUTED_ROW = "distml serve --balance router --replicas 1"
 DIRECT_ROW = "distml replica, batching"
 UNBATCHED_ROW = "distml replica, no batching"
 
@@ -242,8 +242,8 @@ def peer_setups(checkpoint: Path, tmp: Path) -> list[Setup]:
     setups = []
     for label, extra in (
         (README_ROW, ["--replicas", "2"]),
-        (KERNEL_ROW, ["--replicas", "2", "--balance", "kernel"]),
-        (ROUTED_ROW, ["--replicas", "1"]),
+        (ROUTER_ROW, ["--replicas", "2", "--balance", "router"]),
+        (ROUTED_ROW, ["--replicas", "1", "--balance", "router"]),
     ):
         port = free_port()
         setups.append(Setup(label, [*distml, *model, *extra, "--port", str(port)], port))
@@ -381,7 +381,7 @@ def _median_of(runs: list[dict[str, Any]], f) -> float:
 def peer_goals(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """The issue's ratios, each computed within a repeat (the rows of one repeat ran back to
     back), then their median."""
-    readme, kernel = README_ROW, KERNEL_ROW
+    readme, router = README_ROW, ROUTER_ROW
     peers = [k for k in runs if k.startswith(("MLServer", "KServe"))]
     one_pass = [k for k in peers if k.endswith("default")]  # one forward pass a request
 
@@ -394,8 +394,8 @@ def peer_goals(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any
         goals.setdefault("distml serve / best peer (>= 1.2)", []).append(
             runs[readme][i]["req_per_s"] / best_peer
         )
-        goals.setdefault("--balance kernel / best peer (>= 1.2)", []).append(
-            runs[kernel][i]["req_per_s"] / best_peer
+        goals.setdefault("--balance router / best peer", []).append(
+            runs[router][i]["req_per_s"] / best_peer
         )
         unbatched = runs[UNBATCHED_ROW][i]["cpu_ms_per_request"]["server"]
         cheapest = min(runs[k][i]["cpu_ms_per_request"]["server"] for k in one_pass)
@@ -405,7 +405,7 @@ def peer_goals(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any
         goals.setdefault("through the router / direct, CPU a request (<= 1.3)", []).append(
             total(runs[ROUTED_ROW][i]) / total(runs[DIRECT_ROW][i])
         )
-        for label in (readme, kernel):
+        for label in (readme, router):
             r = runs[label][i]
             goals.setdefault(f"{label}: of the CPU ceiling (>= 0.9)", []).append(
                 r["req_per_s"] / r["cpu_ceiling_req_per_s"]
