@@ -8,6 +8,7 @@ import asyncio
 import os
 import random
 import signal
+import threading
 import time
 
 import httpx
@@ -20,6 +21,7 @@ from starlette.testclient import TestClient
 from distml.jobs.replicas import ReplicaCommand, ReplicaSet
 from distml.models import DigitsCNN
 from distml.net import TOKEN_ENV, BackgroundServer
+from distml.serve import batching
 from distml.serve.batching import DynamicBatcher
 from distml.serve.model import load_served_model
 from distml.serve.policy import PowerOfTwoChoices, ReplicaState
@@ -119,6 +121,39 @@ def test_batcher_runs_queued_requests_together(oracle):
     for x, y in zip(xs, asyncio.run(main()), strict=True):
         torch.testing.assert_close(y, oracle(x))
     assert sizes == [7, 4]  # 1+2+3+1 fill 7 of 8; the 4-row request starts the next batch
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_short_forward_pass_runs_on_the_event_loop_a_long_one_in_the_worker(
+    oracle, slow, monkeypatch
+):
+    """The first batch, of unknown cost, runs in the worker thread; after it, a model faster
+    than :data:`INLINE_FORWARD_S` runs on the event loop, and a slower one stays in the
+    thread, so that the loop goes on taking requests while it computes. (The threshold is set
+    far from the model's time, so that a busy machine cannot move the model across it.)"""
+    monkeypatch.setattr(batching, "INLINE_FORWARD_S", 1e-9 if slow else 60.0)
+    threads: list[int] = []
+
+    def predict(x: torch.Tensor) -> torch.Tensor:
+        threads.append(threading.get_ident())
+        return oracle(x)
+
+    batcher = DynamicBatcher(predict, max_batch_size=1)
+    xs = [torch.randn(1, 1, 8, 8) for _ in range(3)]
+
+    async def main() -> tuple[int, list[torch.Tensor]]:
+        out = [await batcher.infer(x) for x in xs]
+        await batcher.close()
+        return threading.get_ident(), out
+
+    loop_thread, out = asyncio.run(main())
+    for x, y in zip(xs, out, strict=True):
+        torch.testing.assert_close(y, oracle(x))
+    assert threads[0] != loop_thread
+    if slow:
+        assert loop_thread not in threads
+    else:
+        assert threads[1:] == [loop_thread, loop_thread]
 
 
 @pytest.mark.distributed

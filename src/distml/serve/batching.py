@@ -4,8 +4,10 @@ back. Rows are independent in the served models, so a batch's rows equal one-by-
 
 A request that would overflow the batch, or whose rows have another shape, starts the next
 batch. No forward pass ever takes more than ``max_rows`` rows: a request with more is refused
-before it is queued. The model runs in one worker thread, so the event loop keeps accepting
-requests (which queue up for the next batch) while a batch computes.
+before it is queued. A batch the model takes long on runs in a worker thread, so the event
+loop keeps accepting requests (which queue up for the next batch) while it computes; one it
+runs through faster than a hand-off to that thread and back runs on the event loop itself
+(:data:`INLINE_FORWARD_S`, judged from the last batch's time per row).
 
 The batching loop is a background loop of the service (:class:`~distml.net.BackgroundLoops`):
 a batch that fails fails its own requests, is logged, and the loop goes on with the next.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,6 +27,10 @@ import torch
 from distml.net import BackgroundLoops
 
 MAX_BATCH_ROWS = 1024
+# A forward pass expected to take less runs on the event loop: handing a batch to the worker
+# thread and back costs tens of microseconds of CPU, more than a small model's one-row pass,
+# while the few requests that could arrive meanwhile wait for the next batch in either case.
+INLINE_FORWARD_S = 0.001
 log = logging.getLogger("distml.serve")
 
 
@@ -71,6 +78,7 @@ class DynamicBatcher:
         self._own_loops: BackgroundLoops | None = None
         self._held: _Pending | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="batch")
+        self._seconds_per_row: float | None = None  # the last batch's; None before the first
 
     def start(self, loops: BackgroundLoops) -> None:
         """Run the batching loop as one of ``loops`` (a service's, so that its ``/healthz``
@@ -143,7 +151,10 @@ class DynamicBatcher:
         if self.on_batch is not None:
             self.on_batch(x.shape[0])
         try:
-            y = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, x)
+            if self._short(x.shape[0]):
+                y = self._run(x)
+            else:
+                y = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, x)
         except Exception as exc:
             if len(batch) > 1:  # find the request at fault: the others still get answers
                 for p in batch:
@@ -159,8 +170,14 @@ class DynamicBatcher:
                 p.done.set_result(y[start : start + n])
             start += n
 
+    def _short(self, rows: int) -> bool:
+        per_row = self._seconds_per_row
+        return per_row is not None and per_row * rows < INLINE_FORWARD_S
+
     def _run(self, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
         y = self.predict(x)
+        self._seconds_per_row = (time.perf_counter() - start) / max(1, x.shape[0])
         if y.shape[:1] != x.shape[:1]:
             raise RuntimeError(f"the model gave {y.shape[0]} rows for {x.shape[0]}")
         return y
