@@ -335,16 +335,24 @@ def test_distml_serve_grpc_port_serves_every_replica(tmp_path):
     argv += ["--log-dir", str(tmp_path / "logs")]
     proc = subprocess.Popen(argv, env={**os.environ, TOKEN_ENV: TOKEN})
     auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def ready() -> bool:
+        # The replicas share the HTTP port, which answers once the first of them does: each
+        # replica's own gRPC port says when that replica is up.
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", headers=auth)
+            for i in range(2):
+                with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port + i}") as c:
+                    c.is_model_ready(MODEL, headers=HEADERS)
+        except (httpx.TransportError, InferenceServerException):
+            return False
+        return r.status_code == 200
+
     try:
         deadline = time.monotonic() + 120
-        while True:
+        while not ready():
             assert proc.poll() is None and time.monotonic() < deadline
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", headers=auth)
-                if r.status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+            time.sleep(0.2)
         for i in range(2):
             with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port + i}") as c:
                 assert c.is_model_ready(MODEL, headers=HEADERS)
