@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from starlette.datastructures import Headers
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from distml.net.service import Tokens, Unauthorized
@@ -40,6 +41,10 @@ class Reply:
     def error(cls, status: int, message: str, key: str = "error", **headers: str) -> Reply:
         """The protocol's error shape (``{"error": ...}``; FastAPI's ``detail`` for a 401)."""
         return cls(status, json.dumps({key: message}).encode(), headers=headers)
+
+    def response(self) -> Response:
+        """As a Starlette response, for a FastAPI route to return."""
+        return Response(self.body, self.status, self.headers, media_type=self.content_type)
 
 
 class BodyTooLarge(Exception):

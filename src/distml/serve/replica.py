@@ -211,7 +211,7 @@ def create_replica_app(
     async def run_inference(request: Request, name: str, version: str | None = None) -> Response:
         body = await _read_body(request, max_body)
         reply = await answer(name, version, body, request.headers)
-        return Response(reply.body, reply.status, reply.headers, media_type=reply.content_type)
+        return reply.response()
 
     @app.get("/v2/models/{name}")
     async def metadata(name: ModelName) -> ModelMetadata:

@@ -139,7 +139,7 @@ def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) ->
             request.headers.get("content-type", ""),
             request.headers.get(HEADER_LENGTH) if request.method == "POST" else None,
         )
-        return Response(reply.body, reply.status, reply.headers, media_type=reply.content_type)
+        return reply.response()
 
     async def infer(name: str, version: str | None, body: bytes, headers: Headers) -> Reply:
         path = model_path(name, "/infer", version)
