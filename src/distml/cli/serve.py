@@ -134,7 +134,7 @@ def deploy(
         ),
     ] = None,
     balance: Annotated[
-        Literal["router", "kernel"] | None,
+        Literal["kernel", "router"] | None,
         typer.Option(
             help="kernel: the replicas share --port (SO_REUSEPORT) and the kernel spreads the "
             "connections, with no hop between: less CPU a request, but a replica that dies "
