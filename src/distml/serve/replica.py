@@ -29,8 +29,9 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 
 from distml.net import create_app, read_body
+from distml.net.hot_path import Reply
 from distml.serve.batching import MAX_BATCH_ROWS, BatchFailed, DynamicBatcher, InferenceFailed
-from distml.serve.infer_path import InferPath, Reply
+from distml.serve.infer_path import add_infer_path
 from distml.serve.model import ServedModel
 from distml.serve.protocol import (
     HEADER_LENGTH,
@@ -206,7 +207,7 @@ def create_replica_app(
         return Reply(200, content, OCTET_STREAM, {HEADER_LENGTH: str(json_length)})
 
     # The inference routes' hot path; the FastAPI routes below answer what it passes on.
-    app.add_middleware(InferPath, handler=answer, tokens=app.state.tokens, max_body=max_body)
+    add_infer_path(app, answer, max_body)
 
     async def run_inference(request: Request, name: str, version: str | None = None) -> Response:
         body = await _read_body(request, max_body)

@@ -25,7 +25,8 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 
 from distml.net import create_app, read_body
-from distml.serve.infer_path import InferPath, Reply
+from distml.net.hot_path import Reply
+from distml.serve.infer_path import add_infer_path
 from distml.serve.protocol import (
     HEADER_LENGTH,
     MAX_INDEX_BODY,
@@ -146,7 +147,7 @@ def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) ->
         content_type = headers.get("content-type", "")
         return await relay("POST", path, body, content_type, headers.get(HEADER_LENGTH))
 
-    app.add_middleware(InferPath, handler=infer, tokens=app.state.tokens, max_body=max_body)
+    add_infer_path(app, infer, max_body)
 
     about = server_metadata("distml", package_version("distml"))
 
