@@ -27,7 +27,7 @@ Per step: wall time, this process's CPU (every thread) and the shard's (from /pr
 parts of one ``distml step``: the worker's encode, send, answer (the shard's work, the transfer
 back and reading it), decode and copy, timed in the worker; the shard's decode, check and
 apply, encode, timed on the same code in a process of their own (with the shard's
-environment); and the shard's CPU that is none of those (HTTP, ASGI, FastAPI). Last, the CPU
+environment); and the shard's CPU that is none of those (HTTP and ASGI). Last, the CPU
 of the step's forward and backward pass (digits: batch 32; the MLP: batch 4), and the share of
 a step's CPU, both sides, that the exchange is; and the codec against safetensors' own
 ``save`` and ``load``. Medians over repeats.
@@ -512,7 +512,7 @@ def measure(model_name: str, args: argparse.Namespace) -> dict[str, Any]:
     transport = medians["distml step"]["cpu_ms"] + medians["distml step"]["server_cpu_ms"]
     shard_parts = server_parts(model_name, n)
     shard_parts["queue (lock)"] = stats["queue_s"]["median"] * 1e3
-    shard_parts["HTTP, ASGI, FastAPI (the rest of its CPU)"] = max(
+    shard_parts["HTTP and ASGI (the rest of its CPU)"] = max(
         0.0, medians["distml step"]["server_cpu_ms"] - sum(shard_parts.values())
     )
     return {

@@ -18,15 +18,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import parse_qsl
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from starlette.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
+from starlette.responses import Response
+from starlette.types import Scope
 
 from distml.net import bounded_json, create_app, decode_tensors, octet_stream_body
+from distml.net.hot_path import HotPath, Reply
 from distml.net.service import read_chunks
 from distml.net.tensors import TensorPayloadError
 from distml.ps.optimizer_spec import MAX_SPEC_BYTES
@@ -48,7 +54,31 @@ Epoch = Annotated[int, Query(ge=0, le=2**31)]
 Position = Annotated[int, Query(ge=0, le=2**40)]
 Batches = Annotated[int, Query(ge=1, le=2**40)]
 SPEC_DEPTH = 4  # {"groups": [{"betas": [...]}]}
+STEP_ROUTE = re.compile(r"/v1/step")
 log = logging.getLogger("distml.ps")
+
+
+class StepQuery(BaseModel):
+    """The query of ``POST /v1/step``, as FastAPI's route and the hot path both read it."""
+
+    worker: Worker
+    step: Count
+    version: Count
+    wait_s: Wait = 10.0
+    generation: Generation = ""
+    claim_epoch: Epoch | None = None
+    claim_position: Position | None = None
+    claim_batches: Batches | None = None
+
+
+def step_query(match: re.Match[str], scope: Scope) -> StepQuery | None:
+    """The step's query read as Starlette reads it; ``None`` (FastAPI answers, with its own
+    422) when it does not validate."""
+    text = scope["query_string"].decode("latin-1")
+    try:
+        return StepQuery.model_validate(dict(parse_qsl(text, keep_blank_values=True)))
+    except ValidationError:
+        return None
 
 
 class _Metrics:
@@ -108,8 +138,7 @@ def create_shard_app(
             except OSError:
                 log.exception("cannot write the snapshot %s", snapshot_path)
 
-    async def tensors_of(request: Request) -> tuple[dict, dict[str, str], int]:
-        body = await read_buffer(request, max_body_bytes)
+    def tensors_of(body: bytearray) -> tuple[dict, dict[str, str], int]:
         try:
             tensors, meta = decode_tensors(body)  # views of the buffer: no copy
         except TensorPayloadError as exc:
@@ -117,15 +146,15 @@ def create_shard_app(
         return tensors, meta, len(body)
 
     async def pushed(
-        request: Request,
+        body: bytearray,
         worker: int,
         step: int,
         version: int,
         pull: tuple[float, str] | None = None,
     ) -> tuple[dict[str, Any], tuple[bytes, int, float] | None]:
-        """The push of ``request`` (and, with ``pull=(wait_s, generation)``, the pull after
-        it), with a push's errors as HTTP answers and its metrics counted."""
-        grads, _, nbytes = await tensors_of(request)
+        """The push of ``body`` (and, with ``pull=(wait_s, generation)``, the pull after it),
+        with a push's errors as HTTP answers and its metrics counted."""
+        grads, _, nbytes = tensors_of(body)
         try:
             if pull is None:
                 answer, got = await shard.push(worker, step, version, grads, nbytes), None
@@ -147,7 +176,7 @@ def create_shard_app(
         await snapshot_if_due()
         return answer, got
 
-    def params_response(got: tuple[bytes, int, float], headers: dict[str, str]) -> Response:
+    def params_reply(got: tuple[bytes, int, float], headers: dict[str, str]) -> Reply:
         body, version, waited = got
         shard.bytes_pulled += len(body)
         metrics.bytes.labels("pulled").inc(len(body))
@@ -156,7 +185,7 @@ def create_shard_app(
             "X-Generation": shard.generation,
             "X-Wait-S": f"{waited:.6f}",
         }
-        return Response(body, media_type=SAFETENSORS, headers=headers)
+        return Reply(200, body, SAFETENSORS, headers)
 
     @app.post("/v1/register")
     async def register(worker: Worker) -> dict[str, Any]:
@@ -170,7 +199,7 @@ def create_shard_app(
 
     @app.post("/v1/init", openapi_extra=init_body)
     async def initialize(request: Request, worker: Worker) -> dict[str, Any]:
-        tensors, meta, _ = await tensors_of(request)
+        tensors, meta, _ = tensors_of(await read_buffer(request, max_body_bytes))
         try:
             text = meta.get("optimizer", "")
             spec = bounded_json(text, max_bytes=MAX_SPEC_BYTES, max_depth=SPEC_DEPTH)
@@ -185,44 +214,56 @@ def create_shard_app(
 
     @app.post("/v1/push", openapi_extra=push_body)
     async def push(request: Request, worker: Worker, step: Count, version: Count) -> dict[str, Any]:
-        answer, _ = await pushed(request, worker, step, version)
+        answer, _ = await pushed(await read_buffer(request, max_body_bytes), worker, step, version)
         return {**answer, "generation": shard.generation}
 
     step_body = octet_stream_body(
         max_body_bytes, "the gradients of the shard's parameters; the answer is the parameters"
     )
 
-    @app.post("/v1/step", openapi_extra=step_body)
-    async def push_pull(
-        request: Request,
-        worker: Worker,
-        step: Count,
-        version: Count,
-        wait_s: Wait = 10.0,
-        generation: Generation = "",
-        claim_epoch: Epoch | None = None,
-        claim_position: Position | None = None,
-        claim_batches: Batches | None = None,
-    ) -> Response:
+    async def exchange(query: StepQuery, body: bytearray) -> Reply:
         """A push, answered with the parameters to read next (safetensors, 200) once the rule
-        lets ``worker`` read them; 202 with the push's answer (JSON) if it could not read within
-        ``wait_s``: the push counted, and ``GET /v1/params`` reads on. With a claim, its batch
-        is the header ``X-Claim`` (``none`` once the epoch is used up); a claim this shard
-        refuses is left out, for ``/v1/claim`` to answer."""
-        claim = (claim_epoch, claim_position, claim_batches)
+        lets the worker read them; 202 with the push's answer (JSON) if it could not read
+        within ``wait_s``: the push counted, and ``GET /v1/params`` reads on. With a claim, its
+        batch is the header ``X-Claim`` (``none`` once the epoch is used up); a claim this shard
+        refuses is left out, for ``/v1/claim`` to answer. A refusal comes as FastAPI's."""
+        q = query
+        claim = (q.claim_epoch, q.claim_position, q.claim_batches)
         if any(v is not None for v in claim) and None in claim:
-            raise HTTPException(422, "a claim needs claim_epoch, claim_position and claim_batches")
-        answer, got = await pushed(request, worker, step, version, (wait_s, generation))
+            needs = "a claim needs claim_epoch, claim_position and claim_batches"
+            return Reply.error(422, needs, "detail")
+        try:
+            answer, got = await pushed(body, q.worker, q.step, q.version, (q.wait_s, q.generation))
+        except HTTPException as exc:
+            return Reply.error(exc.status_code, str(exc.detail), "detail")
         headers = {"X-Status": answer["status"], "X-Read-Version": str(answer["read_version"])}
         if got is None:
-            return JSONResponse({**answer, "generation": shard.generation}, 202, headers)
-        if claim_epoch is not None and shard.settings.consistency != "bsp":
+            return Reply.json(202, {**answer, "generation": shard.generation}, **headers)
+        if q.claim_epoch is not None and shard.settings.consistency != "bsp":
             try:
-                batch = await shard.claim(worker, claim_epoch, claim_position, claim_batches)
+                batch = await shard.claim(q.worker, *claim)
                 headers["X-Claim"] = "none" if batch is None else str(batch)
             except ClaimRejected:
                 pass
-        return params_response(got, headers)
+        return params_reply(got, headers)
+
+    async def step_hot(query: StepQuery, chunks: list[bytes], headers: Headers) -> Reply:
+        return await exchange(query, bytearray().join(chunks))
+
+    # Every worker's every step: answered ahead of FastAPI (distml.net.hot_path).
+    app.add_middleware(
+        HotPath,
+        route=STEP_ROUTE,
+        accept=step_query,
+        answer=step_hot,
+        tokens=app.state.tokens,
+        max_body=max_body_bytes,
+        refusal_key="detail",
+    )
+
+    @app.post("/v1/step", openapi_extra=step_body)
+    async def push_pull(request: Request, query: Annotated[StepQuery, Query()]) -> Response:
+        return (await exchange(query, await read_buffer(request, max_body_bytes))).response()
 
     @app.get("/v1/params")
     async def params(
@@ -231,7 +272,7 @@ def create_shard_app(
         got = await shard.pull(worker, min_version, wait_s, generation)
         if got is None:
             raise HTTPException(425, "not readable yet under the consistency rule; ask again")
-        return params_response(got, {})
+        return params_reply(got, {}).response()
 
     @app.post("/v1/claim")
     async def claim(
