@@ -318,3 +318,17 @@ def outputs(procs: dict[str, tuple[subprocess.Popen, Path]], codes: dict[str, st
         f"===== {name}: {codes.get(name)} (tail of {log}) =====\n{tail(log)}"
         for name, (_, log) in procs.items()
     )
+
+
+@pytest.fixture(scope="module")
+def digits_cnn_checkpoint(tmp_path_factory) -> Path:
+    """An exported DigitsCNN (seed 0), as ``summary.json``'s ``export`` names it."""
+    # Imported here, not above: distml is imported after CUDA_VISIBLE_DEVICES is set.
+    from safetensors.torch import save_model
+
+    from distml.models import DigitsCNN
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("model") / "model.safetensors"
+    save_model(DigitsCNN(), str(path))
+    return path

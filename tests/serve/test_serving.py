@@ -15,11 +15,9 @@ import httpx
 import pytest
 import torch
 from fastapi import FastAPI
-from safetensors.torch import save_model
 from starlette.testclient import TestClient
 
 from distml.jobs.replicas import ReplicaCommand, ReplicaSet
-from distml.models import DigitsCNN
 from distml.net import TOKEN_ENV, BackgroundServer
 from distml.serve import batching
 from distml.serve.batching import DynamicBatcher
@@ -36,25 +34,20 @@ ROWS = 64  # the replicas' --max-batch-rows
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """An exported DigitsCNN, as ``summary.json``'s ``export`` names it."""
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("serve") / "model.safetensors"
-    save_model(DigitsCNN(), str(path))
-    return path
+def oracle(digits_cnn_checkpoint):
+    return load_served_model(digits_cnn_checkpoint, "digits-cnn").predict
 
 
 @pytest.fixture(scope="module")
-def oracle(checkpoint):
-    return load_served_model(checkpoint, "digits-cnn").predict
-
-
-@pytest.fixture(scope="module")
-def deployment(checkpoint, tmp_path_factory):
+def deployment(digits_cnn_checkpoint, tmp_path_factory):
     """Two replica processes and the router in this process, as ``distml serve`` runs them."""
     os.environ[TOKEN_ENV] = TOKEN
     command = ReplicaCommand(
-        str(checkpoint), "digits-cnn", max_batch_size=16, max_delay_ms=2, max_batch_rows=ROWS
+        str(digits_cnn_checkpoint),
+        "digits-cnn",
+        max_batch_size=16,
+        max_delay_ms=2,
+        max_batch_rows=ROWS,
     )
     logs = tmp_path_factory.mktemp("logs")
     with ReplicaSet(command, 2, TOKEN, log_dir=logs) as replicas:
@@ -249,8 +242,10 @@ def test_numbers_outside_fp32_and_too_many_rows_are_refused_once(deployment):
     assert all(p.popen.poll() is None for p in replicas.processes)
 
 
-def test_oversized_body_gets_413(checkpoint):
-    app = create_replica_app(load_served_model(checkpoint, "digits-cnn"), TOKEN, max_body=1024)
+def test_oversized_body_gets_413(digits_cnn_checkpoint):
+    app = create_replica_app(
+        load_served_model(digits_cnn_checkpoint, "digits-cnn"), TOKEN, max_body=1024
+    )
     with TestClient(app) as client:
         r = client.post(INFER, json=body(torch.zeros(4, 1, 8, 8)), headers=AUTH)
         assert r.status_code == 413

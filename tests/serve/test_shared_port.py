@@ -12,24 +12,14 @@ import signal
 import httpx
 import pytest
 import torch
-from safetensors.torch import save_model
 
 from conftest import wait_for
 from distml.jobs.replicas import ReplicaCommand, ReplicaSet
-from distml.models import DigitsCNN
 from distml.serve.model import load_served_model
 
 TOKEN = "shared-port-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 INFER = "/v2/models/digits-cnn/infer"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("shared") / "model.safetensors"
-    save_model(DigitsCNN(), str(path))
-    return path
 
 
 def _infer(url: str, x: torch.Tensor) -> httpx.Response:
@@ -55,9 +45,11 @@ def _logits(response: httpx.Response) -> torch.Tensor:
 
 
 @pytest.mark.distributed
-def test_replicas_on_one_port_share_its_connections_and_outlive_a_kill(checkpoint, tmp_path):
-    oracle = load_served_model(checkpoint, "digits-cnn").predict
-    command = ReplicaCommand(str(checkpoint), "digits-cnn", shared=("127.0.0.1", 0))
+def test_replicas_on_one_port_share_its_connections_and_outlive_a_kill(
+    digits_cnn_checkpoint, tmp_path
+):
+    oracle = load_served_model(digits_cnn_checkpoint, "digits-cnn").predict
+    command = ReplicaCommand(str(digits_cnn_checkpoint), "digits-cnn", shared=("127.0.0.1", 0))
     with ReplicaSet(command, 2, TOKEN, log_dir=tmp_path) as replicas:
         replicas.wait_ready(120)
         url = replicas.shared_url
