@@ -217,6 +217,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     subprocess the first time it draws, which a test that renders a plot would be refused."""
     import matplotlib.font_manager  # noqa: F401  (its import loads or builds the font list)
 
+    # The launches of this session fork their workers from one fork server, started by the
+    # first launch: preloading the model-parallel layout (torch's pipelining, tensor-parallel
+    # and FSDP modules, about a second of CPU) there spares each worker of a tensor-, pipeline-
+    # or FSDP-parallel test that import.
+    from distml.launch import forkserver
+
+    forkserver.WORKER_PRELOAD.append("distml.parallel.layout")
+
 
 class StartsAProcess(RuntimeError):
     """A test that is not marked ``distributed`` tried to start a process."""
