@@ -220,10 +220,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # The launches of this session fork their workers from one fork server, started by the
     # first launch: preloading the model-parallel layout (torch's pipelining, tensor-parallel
     # and FSDP modules, about a second of CPU) there spares each worker of a tensor-, pipeline-
-    # or FSDP-parallel test that import.
+    # or FSDP-parallel test that import, and matplotlib's figures (half a second) each run's
+    # rank 0, which draws the report.
     from distml.launch import forkserver
 
-    forkserver.WORKER_PRELOAD.append("distml.parallel.layout")
+    forkserver.WORKER_PRELOAD.extend(["distml.parallel.layout", "matplotlib.figure"])
 
 
 class StartsAProcess(RuntimeError):
