@@ -46,6 +46,7 @@ from torch.utils.data import TensorDataset
 
 from distml.config import RunConfig
 from distml.data.datasets import digits_arrays, holdout_indices
+from distml.data.digit_features import PIXELS
 from distml.data.preprocess import CsvSource, read_table
 from distml.data.preprocess.reader import column_tensor
 from distml.jobs.finetune import FineTuneSpec, run_finetune
@@ -61,8 +62,7 @@ from distml.serve.router import Router
 from distml.serve.router_app import create_router_app
 from distml.telemetry.lifecycle_report import write_lifecycle_report
 
-PIXELS = 64  # 8 x 8
-TRANSFORM = "distml.lifecycle:digit_features"
+TRANSFORM = "distml.data.digit_features:digit_features"  # torch-free: what the workers import
 MODEL = "digits-cnn"
 STAGES = ("preprocess", "train", "fine-tune", "validate", "batch inference", "serve", "report")
 
@@ -85,21 +85,6 @@ def write_raw_digits(path: Path) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     pacsv.write_csv(pa.table(columns), str(path))
     return n
-
-
-def digit_features(table: Any) -> dict[str, np.ndarray]:
-    """The preprocessing transform (each worker runs it on its shards): pixels scaled to
-    [0, 1] as ``x``, the same image mirrored left to right as ``x_mirrored``."""
-    pixels = np.stack([table[f"p{i}"].to_numpy() for i in range(PIXELS)], axis=1)
-    x = (pixels / 16.0).astype(np.float32)
-    mirrored = x.reshape(-1, 8, 8)[:, :, ::-1].reshape(-1, PIXELS)
-    return {
-        "id": table["id"].to_numpy(),
-        "val": table["val"].to_numpy(),
-        "label": table["label"].to_numpy(),
-        "x": x,
-        "x_mirrored": np.ascontiguousarray(mirrored),
-    }
 
 
 def preprocess_digits(folder: Path, workers: int) -> dict[str, Any]:
