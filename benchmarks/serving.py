@@ -15,7 +15,7 @@ setting; a replica without batching at most the CPU a request of a peer's one fo
 the router at most 1.3x the CPU a request of a direct one; 2 replicas >= 0.9 of the CPU ceiling.
 
 Part ``replicas``: 1 vs 2 replicas behind the router, each with dynamic batching (max 32 rows,
-2 ms) and without (max 1 row); the router's added latency, one request at a time, direct to a
+no wait) and without (max 1 row); the router's added latency, one request at a time, direct to a
 replica vs through the router; and the CPU per request of the two HTTP clients (httpx, which
 the router used to call its replicas with, and aiohttp, which it uses now) against one replica.
 Replicas and router are processes of their own, as ``distml serve`` starts them. Goal: 2
@@ -255,7 +255,8 @@ def peer_setups(checkpoint: Path, tmp: Path) -> list[Setup]:
         setups.append(Setup(label, [*distml, "replica", *model, *extra, "--port", str(port)], port))
     src = {"PYTHONPATH": str(REPO / "src")}  # distml.models: the same model class
     mlserver = peer_python("mlserver").parent / "mlserver"
-    batching = {"max_batch_size": 32, "max_batch_time": 0.002}  # distml's defaults: 32 rows, 2 ms
+    # 32 rows as distml's batches; MLServer batches adaptively only with a wait above 0: 2 ms.
+    batching = {"max_batch_size": 32, "max_batch_time": 0.002}
     for label, settings, model_settings in (
         ("MLServer 1.7, default", {}, {}),
         ("MLServer 1.7, adaptive batching", {}, batching),

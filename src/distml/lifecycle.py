@@ -206,7 +206,7 @@ def serve_and_query(
     ``images`` as requests of ``rows`` images each over HTTP, return the answers and latencies."""
 
     token = secrets.token_urlsafe(24)
-    command = ReplicaCommand(str(model_dir), MODEL, max_batch_size=32, max_delay_ms=2)
+    command = ReplicaCommand(str(model_dir), MODEL, max_batch_size=32)
     started = time.perf_counter()
     with ReplicaSet(command, replicas, token, log_dir=log_dir) as replica_set:
         replica_set.wait_ready()

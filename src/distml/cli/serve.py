@@ -51,7 +51,12 @@ MaxRows = Annotated[
         min=1, help="Rows per request and per forward pass, at most (more: refused with 413)."
     ),
 ]
-MaxDelay = Annotated[float, typer.Option(min=0, help="Longest wait for a batch to fill, in ms.")]
+MaxDelay = Annotated[
+    float,
+    typer.Option(
+        min=0, help="Longest wait for a batch to fill, in ms; 0: a batch is what has queued."
+    ),
+]
 CertFile = Annotated[str | None, typer.Option(help="TLS certificate (PEM).")]
 KeyFile = Annotated[str | None, typer.Option(help="TLS key (PEM).")]
 
@@ -119,7 +124,7 @@ def deploy(
     model: Model = None,
     name: Name = None,
     max_batch_size: MaxBatch = 32,
-    max_delay_ms: MaxDelay = 2.0,
+    max_delay_ms: MaxDelay = 0.0,
     max_batch_rows: MaxRows = 1024,
     log_dir: Annotated[Path | None, typer.Option(help="Replica logs; default: a temp dir.")] = None,
     ssl_certfile: CertFile = None,
@@ -233,7 +238,7 @@ def replica(
     model: Model = None,
     name: Name = None,
     max_batch_size: MaxBatch = 32,
-    max_delay_ms: MaxDelay = 2.0,
+    max_delay_ms: MaxDelay = 0.0,
     max_batch_rows: MaxRows = 1024,
     max_body_mb: Annotated[float, typer.Option(help="Largest request body accepted.")] = 16.0,
     ssl_certfile: CertFile = None,

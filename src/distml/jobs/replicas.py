@@ -41,7 +41,7 @@ class ReplicaCommand:
     model: str | None = None
     name: str | None = None
     max_batch_size: int = 32
-    max_delay_ms: float = 2.0
+    max_delay_ms: float = 0.0
     max_batch_rows: int = MAX_BATCH_ROWS
     grpc_port: int | None = None  # the first replica's; the others count up from it
     grpc_host: str = "127.0.0.1"

@@ -1,6 +1,11 @@
 """Dynamic batching: requests wait in a queue and run through the model together, up to
 ``max_batch_size`` rows or until the oldest has waited ``max_delay_s``; each gets its own rows
-back. Rows are independent in the served models, so a batch's rows equal one-by-one inference.
+back. By default ``max_delay_s`` is 0, as in Triton's dynamic batcher: a batch is what has
+queued by the time the model is free, so a request never waits for others that may not come,
+and under load the requests that arrive during one forward pass make the next batch (under a
+closed-loop load, a fixed wait left cores idle and served fewer requests: see
+``benchmarks/serving.py``). Rows are independent in the served models, so a batch's rows equal
+one-by-one inference.
 
 A request that would overflow the batch, or whose rows have another shape, starts the next
 batch. No forward pass ever takes more than ``max_rows`` rows: a request with more is refused
@@ -50,7 +55,7 @@ class _Pending:
 
 
 class DynamicBatcher:
-    """>>> batcher = DynamicBatcher(model, max_batch_size=32, max_delay_s=0.002)  # doctest: +SKIP
+    """>>> batcher = DynamicBatcher(model, max_batch_size=32)                    # doctest: +SKIP
     >>> y = await batcher.infer(x)                                              # doctest: +SKIP
     """
 
@@ -58,7 +63,7 @@ class DynamicBatcher:
         self,
         predict: Callable[[torch.Tensor], torch.Tensor],
         max_batch_size: int = 32,
-        max_delay_s: float = 0.002,
+        max_delay_s: float = 0.0,
         on_batch: Callable[[int], None] | None = None,
         max_rows: int = MAX_BATCH_ROWS,
     ):

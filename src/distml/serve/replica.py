@@ -63,7 +63,7 @@ def create_replica_app(
     token: str | Mapping[str, str],
     *,
     max_batch_size: int = 32,
-    max_delay_ms: float = 2.0,
+    max_delay_ms: float = 0.0,
     max_body: int = 16 * 2**20,
     max_batch_rows: int = MAX_BATCH_ROWS,
     grpc: Callable[..., Any] | None = None,
