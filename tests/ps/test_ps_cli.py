@@ -5,6 +5,7 @@ errors that exit 2 before anything starts."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -76,7 +77,7 @@ def test_workers_train_against_standalone_shards(tmp_path):
             [sys.executable, "-m", "distml", "run", "--strategy", "ps", "--nproc", "2",
              "--ps-servers", ",".join(urls), "--consistency", "ssp:2", "--runs-dir",
              str(tmp_path), "--run-name", "standalone", str(EXAMPLES / "digits" / "train.py"),
-             "--epochs", "1", "--max-steps", "15"],
+             "--epochs", "1", "--max-steps", "15", "--lr", "0.2"],
             env=env, capture_output=True, text=True, timeout=240,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
@@ -88,7 +89,9 @@ def test_workers_train_against_standalone_shards(tmp_path):
     ps = summary["ps"]
     assert [w["pushed"] for w in ps["workers"]] == [15, 15]
     assert sum(ps["versions"]) == 2 * 2 * 15  # SSP: each push one version, on both shards
-    assert summary["eval"]["accuracy"] > 0.1 and summary["export"]
+    # Trained: 15 steps leave accuracy noisy (0.09-0.46 across runs), but the held-out loss
+    # reliably below that of a model that guesses (ln 10, where every model starts).
+    assert summary["eval"]["loss"] < math.log(10) and summary["export"]
     assert all((tmp_path / f"shard{k}.safetensors").exists() for k in range(2))
     report = (tmp_path / "standalone" / "report.html").read_text()
     assert "<h2>Parameter server</h2>" in report and 'alt="staleness"' in report
