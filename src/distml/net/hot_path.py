@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -100,6 +101,28 @@ class HotPath:
         if chunks is None:  # the client went away
             return None
         return await respond(send, await self.answer(taken, chunks, headers))
+
+
+def add_hot_path(
+    app: FastAPI,
+    *,
+    route: re.Pattern[str],
+    accept: Accept,
+    answer: Answer,
+    max_body: int,
+    refusal_key: str = "error",
+) -> None:
+    """Put a :class:`HotPath` in front of ``app``, a service of :func:`distml.net.create_app`
+    (whose tokens it checks)."""
+    app.add_middleware(
+        HotPath,
+        route=route,
+        accept=accept,
+        answer=answer,
+        tokens=app.state.tokens,
+        max_body=max_body,
+        refusal_key=refusal_key,
+    )
 
 
 async def read(receive: Receive, declared: str | None, limit: int) -> list[bytes] | None:

@@ -32,7 +32,7 @@ from starlette.responses import Response
 from starlette.types import Scope
 
 from distml.net import bounded_json, create_app, decode_tensors, octet_stream_body
-from distml.net.hot_path import HotPath, Reply
+from distml.net.hot_path import Reply, add_hot_path
 from distml.net.service import read_chunks
 from distml.net.tensors import TensorPayloadError
 from distml.ps.optimizer_spec import MAX_SPEC_BYTES
@@ -251,12 +251,11 @@ def create_shard_app(
         return await exchange(query, bytearray().join(chunks))
 
     # Every worker's every step: answered ahead of FastAPI (distml.net.hot_path).
-    app.add_middleware(
-        HotPath,
+    add_hot_path(
+        app,
         route=STEP_ROUTE,
         accept=step_query,
         answer=step_hot,
-        tokens=app.state.tokens,
         max_body=max_body_bytes,
         refusal_key="detail",
     )

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import Scope
 
-from distml.net.hot_path import HotPath, Reply
+from distml.net.hot_path import Reply, add_hot_path
 
 # The inference routes as FastAPI matches them: a name of at most 256 characters and a version
 # of at most 64, neither holding "/". Any other path goes to FastAPI, which refuses it.
@@ -32,11 +32,4 @@ def add_infer_path(app: FastAPI, handler: InferHandler, max_body: int) -> None:
     async def answer(route: tuple[str, str | None], chunks: list[bytes], headers: Headers):
         return await handler(*route, b"".join(chunks), headers)
 
-    app.add_middleware(
-        HotPath,
-        route=INFER_ROUTE,
-        accept=accept,
-        answer=answer,
-        tokens=app.state.tokens,
-        max_body=max_body,
-    )
+    add_hot_path(app, route=INFER_ROUTE, accept=accept, answer=answer, max_body=max_body)
