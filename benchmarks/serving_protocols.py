@@ -3,12 +3,17 @@
     python benchmarks/serving_protocols.py                  # 3 interleaved repeats
     python benchmarks/serving_protocols.py --requests 400 --repeats 1
 
-One replica of the digits CNN (a process of its own, as ``distml serve`` starts it, batching on)
-answers Triton's standard clients: ``tritonclient.http`` with JSON tensors, the same client in
-its default binary mode, and ``tritonclient.grpc``. For a one-row request and a 64-row one:
-requests/s, p50 and p99 latency, and the CPU per request of the replica and of the client, with
-``--concurrency`` client threads each sending its next request when the last one returns.
+One replica of the digits CNN (a process of its own, as ``distml serve`` starts it, batching on,
+computing on one thread so that the clients have the other core of a 2-core machine; set
+``OMP_NUM_THREADS`` to change it) answers Triton's standard clients: ``tritonclient.http``
+with JSON tensors, the same client in its default binary mode, and ``tritonclient.grpc``. For
+a one-row request and a 64-row one: requests/s, p50 and p99 latency, and the CPU per request of
+the replica and of the client, with ``--concurrency`` client threads each sending its next
+request when the last one returns.
 Goal: binary >= 3x JSON's requests/s on the 64-row input.
+
+Beside them, in the same run: the model's forward pass alone on one thread, in the layout a
+replica serves a convolutional model in (channels-last) and in the default one.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from _common import machine_info, print_table, write_json
@@ -33,6 +39,7 @@ from distml.jobs.replicas import ReplicaCommand, ReplicaSet
 from distml.models import DigitsCNN
 from distml.net import TOKEN_ENV
 from distml.net.ports import free_port
+from distml.serve.model import load_served_model
 
 TOKEN = "benchmark-token-0123456789"
 MODEL = "digits-cnn"
@@ -107,6 +114,30 @@ def measure(
     }
 
 
+def forward_ms(checkpoint: Path, rows: int, repeats: int = 200) -> dict[str, float]:
+    """The median forward time of ``rows`` rows on one thread, as served (channels-last) and as
+    the plain module runs it (contiguous)."""
+    served = load_served_model(checkpoint, MODEL)
+    plain = DigitsCNN().eval()
+    plain.load_state_dict(served.module.state_dict())
+    x = torch.randn(rows, 1, 8, 8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times: dict[str, list[float]] = {"served_ms": [], "contiguous_ms": []}
+    try:
+        with torch.inference_mode():
+            for _ in range(20):
+                served.predict(x), plain(x)
+            for _ in range(repeats):  # interleaved, so that drift falls on both
+                for key, run in (("served_ms", served.predict), ("contiguous_ms", plain)):
+                    t = time.perf_counter()
+                    run(x)
+                    times[key].append((time.perf_counter() - t) * 1000)
+    finally:
+        torch.set_num_threads(threads)
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1200)
@@ -114,10 +145,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     os.environ[TOKEN_ENV] = TOKEN
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the replica's threads (ReplicaSet reads it)
     runs: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "model.safetensors"
         save_model(DigitsCNN(), str(checkpoint))
+        layouts = {rows: forward_ms(checkpoint, rows) for rows in (1, 64)}
         command = ReplicaCommand(str(checkpoint), MODEL, grpc_port=free_port())
         with ReplicaSet(command, 1, TOKEN) as replicas:
             replicas.wait_ready()
@@ -147,10 +180,17 @@ def main() -> None:
          "vs JSON"],
         rows_out,
     )  # fmt: skip
+    print_table(
+        "The model alone, one thread: the served layout against the default",
+        ["rows", "channels-last ms", "contiguous ms", "speed-up"],
+        [[str(r), f"{m['served_ms']:.3f}", f"{m['contiguous_ms']:.3f}",
+          f"{m['contiguous_ms'] / m['served_ms']:.2f}"] for r, m in layouts.items()],
+    )  # fmt: skip
     write_json(
         "serving_protocols",
-        {"machine": machine_info(), "args": vars(args), "medians": medians, "runs": runs},
-    )
+        {"machine": machine_info(), "args": vars(args), "replica_threads":
+         os.environ["OMP_NUM_THREADS"], "medians": medians, "runs": runs, "forward": layouts},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
