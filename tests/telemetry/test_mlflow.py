@@ -15,7 +15,7 @@ from tiny_run import train
 
 import distml
 from distml.config import RunConfig
-from distml.telemetry.metrics_stream import step_scalars, write_metrics
+from distml.telemetry.metrics_stream import round_scalars, step_scalars, write_metrics
 from distml.telemetry.mlflow_log import MlflowTarget, flat_params, log_run, target_for
 
 # Importing mlflow starts a process (``uname -p``, for its platform record): these tests are
@@ -105,3 +105,45 @@ def test_without_mlflow_the_run_says_how_to_install_it(monkeypatch, caplog) -> N
     with caplog.at_level(logging.WARNING, logger="distml.telemetry"):
         assert log_run(MlflowTarget("sqlite:///x.db", "e", "r"), []) is None
     assert "pip install 'distml[mlflow]'" in caplog.text
+
+
+def test_a_federated_simulation_logs_its_rounds(tmp_path: Path) -> None:
+    """``distml fl simulate --mlflow-uri``: each round's figures at the round's number, as the
+    event files have them, and the simulation's settings."""
+    from typer.testing import CliRunner
+
+    from distml.cli.main import app
+
+    uri, out = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "federated"
+    argv = ["fl", "simulate", "--clients", "4", "--rounds", "2", "--processes", "1",
+            "--out", str(out), "--mlflow-uri", uri, "--json"]  # fmt: skip
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    run, history = logged(uri)
+    expected: dict[str, list] = {}
+    for tag, value, step in round_scalars(json.loads((out / "history.json").read_text())):
+        expected.setdefault(tag, []).append((step, pytest.approx(value, rel=1e-12)))
+    assert history == expected and [s for s, _ in history["accuracy"]] == [1, 2]
+    assert run.info.run_name == "federated" and run.data.tags["distml.kind"] == "federated"
+    assert run.data.params["strategy"] == "fedavg" and run.data.params["clients"] == "4"
+
+
+def test_a_study_logs_its_trials_and_best_parameters(tmp_path: Path) -> None:
+    """``distml tune --mlflow-uri``: the trials' values and the best so far at each trial's
+    number, their reports, the best parameters; not the storage URL, which may hold a
+    password."""
+    import optuna
+
+    from distml.tune import tune
+
+    objective = f"{Path(__file__).resolve().parents[1] / 'tune' / 'objectives.py'}:staircase"
+    uri, storage = f"sqlite:///{tmp_path / 'mlflow.db'}", f"sqlite:///{tmp_path / 'study.db'}"
+    result = tune(objective, n_trials=3, workers=1, storage=storage, seed=1, pruner="none",
+                  runs_dir=None, mlflow_uri=uri, mlflow_experiment="tuning")  # fmt: skip
+    run, history = logged(uri, "tuning")
+    trials = optuna.load_study(study_name=result.study_name, storage=storage).get_trials()
+    assert history["value"] == [(t.number, pytest.approx(t.value)) for t in trials]
+    assert history["trial0/reported"] == sorted(trials[0].intermediate_values.items())
+    assert run.data.params["best.x"] == str(result.best_params["x"])
+    assert run.data.params["n_trials"] == "3" and "storage" not in run.data.params
+    assert run.info.run_name == result.study_name and run.data.tags["distml.kind"] == "tune"

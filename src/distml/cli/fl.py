@@ -4,6 +4,7 @@ many clients on this one."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import secrets
 from pathlib import Path
@@ -14,6 +15,7 @@ import typer
 from distml.cli.data_spec import load_client_data
 from distml.cli.fl_hub import hub_app
 from distml.cli.messages import fail_usage
+from distml.cli.options import MlflowExperiment, MlflowUri
 from distml.cli.tokens import read_tokens, write_private
 
 fl_app = typer.Typer(
@@ -164,6 +166,8 @@ def simulate(
         Path | None, typer.Option(help="Write history.json, summary.json and report.html here.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line per round.")] = False,
+    mlflow_uri: MlflowUri = None,
+    mlflow_experiment: MlflowExperiment = "distml",
 ) -> None:
     """Many virtual clients in a pool of processes against the real server over loopback."""
     from rich.console import Console
@@ -222,6 +226,15 @@ def simulate(
         (out / "history.json").write_text(json.dumps(history, indent=1))
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         summary["report"] = str(write_federated_report(out, history, summary))
+    if mlflow_uri is not None:
+        from distml.telemetry.metrics_stream import round_scalars
+        from distml.telemetry.mlflow_log import MlflowTarget, log_run
+
+        settings = {"strategy": strategy, **dataclasses.asdict(sim), **config.model_dump()}
+        run_name = out.name if out is not None else "fl-simulate"
+        target = MlflowTarget(mlflow_uri, mlflow_experiment, run_name, settings,
+                              {"distml.kind": "federated"})  # fmt: skip
+        summary["mlflow_run"] = log_run(target, round_scalars(history))
     if as_json:
         print_json_line(summary)
     else:

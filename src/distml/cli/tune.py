@@ -16,6 +16,7 @@ import typer
 
 from distml.cli.default_command import group_with_default
 from distml.cli.messages import fail_usage, report_failure
+from distml.cli.options import MlflowExperiment, MlflowUri
 
 START = "start"
 
@@ -63,6 +64,8 @@ def start(
     runs_dir: Annotated[
         Path, typer.Option("--runs-dir", help="TensorBoard event files go to RUNS_DIR/<study>/tb/.")
     ] = Path("runs"),
+    mlflow_uri: MlflowUri = None,
+    mlflow_experiment: MlflowExperiment = "distml",
 ) -> None:
     """Run OBJECTIVE's trials in local worker processes until the study has TRIALS finished.
 
@@ -85,6 +88,8 @@ def start(
             seed=seed,
             heartbeat_s=heartbeat,
             runs_dir=runs_dir,
+            mlflow_uri=mlflow_uri,
+            mlflow_experiment=mlflow_experiment,
         )
     except ConfigError as exc:
         fail_usage(str(exc))

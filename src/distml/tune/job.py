@@ -43,6 +43,8 @@ def tune(
     seed: int | None = None,
     heartbeat_s: int = HEARTBEAT_S,
     runs_dir: Path | str | None = "runs",
+    mlflow_uri: str | None = None,
+    mlflow_experiment: str = "distml",
 ) -> TuneResult:
     """Tune ``objective`` until its study has ``n_trials`` finished (complete or pruned) trials,
     in ``workers`` local processes; a study already in ``storage`` is resumed, not restarted.
@@ -53,7 +55,8 @@ def tune(
     ``seed + i``. Workers on other hosts join with :func:`distml.tune.run_worker` (``distml tune
     worker``) on the same storage URL and study name. Bad settings raise ``ConfigError`` before
     anything starts; a job that could not finish raises ``TuneError``. The study's trials go
-    to TensorBoard event files in ``runs_dir/<study>/tb/`` (None: nowhere).
+    to TensorBoard event files in ``runs_dir/<study>/tb/`` (None: nowhere) and, with
+    ``mlflow_uri``, to one MLflow run named after the study.
 
     >>> result = tune("examples/digits/tune.py:objective", n_trials=8, workers=2,
     ...               direction="maximize", storage="sqlite:///digits.db")  # doctest: +SKIP
@@ -82,9 +85,24 @@ def tune(
     result = summarize(study, config.n_trials)
     if runs_dir is not None:
         write_events(Path(runs_dir) / run_folder(result.study_name) / "tb", study_scalars(study))
+    if mlflow_uri is not None:
+        _log_study(mlflow_uri, mlflow_experiment, config, result, study_scalars(study))
     if result.finished < config.n_trials:
         raise TuneError(_unfinished(result, exit_codes))
     return result
+
+
+def _log_study(
+    uri: str, experiment: str, config: TuneConfig, result: TuneResult, scalars: list
+) -> None:
+    """The study as one MLflow run: its settings (not the storage URL, which may carry a
+    password), the best trial's parameters as ``best.<name>``, and the trials' scalars."""
+    from distml.telemetry.mlflow_log import MlflowTarget, log_run
+
+    settings = config.model_dump(exclude={"storage"})
+    settings |= {f"best.{name}": value for name, value in result.best_params.items()}
+    log_run(MlflowTarget(uri, experiment, result.study_name, settings, {"distml.kind": "tune"}),
+            scalars)  # fmt: skip
 
 
 def run_folder(study_name: str) -> str:
