@@ -27,8 +27,10 @@ steady step. Since the loss per step does not depend on the link, ``--reuse`` ta
 
 Two choices are set against the best measured time to target at each rate: the planner's with
 the measured loss curves (``distml.plan.sync.choose``), and ``distml run --strategy auto``'s,
-from the cluster file ``distml bench --nnodes 2`` wrote on that link and the stated rule for the
-steps (``distml.plan.auto.choose_layout``, the very function the run calls).
+from the cluster file ``distml bench --nnodes 2`` wrote on that link, PowerSGD's hook measured
+on this machine at one thread (``distml.plan.hook_probe``, as the run measures it) and the
+stated rule for the steps (``distml.plan.auto.choose_layout``, the very function the run
+calls).
 
 Each worker gets the threads that let both share the cores once. Needs root, ip and tc (the
 testbed's requirements). Results: benchmarks/results/network.json and network.png.
@@ -52,7 +54,7 @@ from _common import RESULTS_DIR, machine_info, print_table, scratch_dir, write_j
 
 from distml.config import GPTConfig
 from distml.models import GPT
-from distml.plan.auto import choose_layout, gpt_params, is_replicas
+from distml.plan.auto import choose_layout, gpt_params, hook_costs, is_replicas
 from distml.plan.bench import cluster_from_dict
 from distml.plan.sync import (
     AUTO_SYNCS,
@@ -258,12 +260,17 @@ def main() -> dict[str, Any]:
                 for name, measured in runs_of.items():
                     if measured:
                         timed.setdefault(rate, {})[name] = _medians(measured, curves[name], target)
+        # What `--strategy auto` charges PowerSGD's hook, measured as the run measures it,
+        # at the one thread a worker computes on here.
+        cpu = cluster_from_dict(next(iter(clusters.values()))).device
+        hook_s = hook_costs(GPTConfig(), AUTO_SYNCS, cpu, threads=1)
     results = {
         "machine": machine_info(),
         "args": vars(args),
         "target_loss": target,
         "curves": curves,
         "clusters": clusters,
+        "hook_s": hook_s,
         "rates": timed,
     }
     path = write_json("network", results)
@@ -337,7 +344,7 @@ def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) ->
             {n: measured[n]["predicted_step_s"] for n in names},
             {n: measured[n]["steps_to_target"] for n in names},
         )[0].label
-        auto = auto_choice(clusters[rate]) if rate in clusters else "-"
+        auto = auto_choice(clusters[rate], results.get("hook_s")) if rate in clusters else "-"
         cells = [rate, best]
         for pick in (probed, auto):
             if pick in reach:
@@ -354,13 +361,14 @@ def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) ->
     )
 
 
-def auto_choice(cluster: dict[str, Any]) -> str:
+def auto_choice(cluster: dict[str, Any], hook_s: dict[str, float] | None) -> str:
     """What ``distml run --strategy auto`` picks on this cluster file for the benchmark's GPT
-    and batch: one of the benchmark's strategy names, or the layout when it is none of them."""
+    and batch, with PowerSGD's hooks costing ``hook_s``: one of the benchmark's strategy
+    names, or the layout when it is none of them."""
     cfg = GPTConfig()
     best = choose_layout(cfg, cluster_from_dict(cluster), global_batch=GLOBAL_BATCH,
                          microbatches=MICROBATCHES, n_params=gpt_params(cfg),
-                         syncs=AUTO_SYNCS).ranked[0]  # fmt: skip
+                         syncs=AUTO_SYNCS, hook_s=hook_s).ranked[0]  # fmt: skip
     layout = best.layout
     if is_replicas(layout):
         return best.sync.label

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
 from distml.config import GPTConfig, StrategyConfig, build_config, set_value
@@ -16,6 +18,7 @@ from distml.plan.sync import (
     Sync,
     choose,
     data_parallel_step,
+    ddp_buckets,
     line_rate_bytes,
     powersgd_elements,
     step_seconds,
@@ -101,6 +104,32 @@ def test_a_data_parallel_step_keeps_what_ddp_hid_and_pays_what_its_bytes_add():
     assert comm == pytest.approx(0.4 * ratio_r2, rel=1e-3)
     assert exposed == pytest.approx(max(0.0, 0.4 * ratio_r2 - 0.1), abs=1e-4)
     assert step == pytest.approx(0.7 + exposed)
+
+
+def test_powersgd_on_gloo_hides_nothing_and_pays_its_latencies_and_its_hook():
+    """distml runs the hook one bucket at a time on gloo: all of its bytes show, and so does
+    each of its three all-reduces a bucket; its own work adds to the step."""
+    slow = (1.0, 0.4, 0.3)
+    sync = Sync("powersgd", rank=2)
+    step, comm, exposed = data_parallel_step(sync, SHAPES, 2, slow, gloo=True, latency_s=0.002,
+                                             hook_s=0.01)  # fmt: skip
+    assert exposed == pytest.approx(comm + 3 * ddp_buckets(SHAPES) * 0.002)
+    assert step == pytest.approx(0.7 + exposed + 0.01)
+    # Off gloo the hook overlaps the backward pass as DDP did; its work still counts.
+    on_nccl = data_parallel_step(sync, SHAPES, 2, slow, latency_s=0.002, hook_s=0.01)
+    assert on_nccl[0] == pytest.approx(0.7 + max(0.0, comm - 0.1) + 0.01)
+
+
+@pytest.mark.parametrize(
+    "cfg", [GPTConfig(), GPTConfig(hidden=64, layers=2), GPTConfig(hidden=1024, layers=4)]
+)
+def test_buckets_are_those_torchs_reducer_assigns(cfg):
+    params = list(GPT(cfg).parameters())
+    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20]  # the reducer's, rebuilding
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        [torch.empty(p.shape) for p in reversed(params)], limits
+    )
+    assert ddp_buckets([tuple(p.shape) for p in params]) == len(buckets)
 
 
 def test_each_synchronisation_is_the_one_its_run_settings_train_under():

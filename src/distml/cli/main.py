@@ -456,7 +456,7 @@ def _planned_config(
     chose one). The config has the last word: a layout it refuses (too few micro-batches for
     that many stages, say) gives way to the next best."""
     from distml.config import GPTConfig
-    from distml.plan.auto import choose_layout, gpt_params, plan_record
+    from distml.plan.auto import choose_layout, gpt_params, hook_costs, plan_record
     from distml.plan.bench import read_cluster_file
     from distml.plan.cost_model import Cluster
     from distml.plan.sync import AUTO_SYNCS, DDP, sync_of
@@ -476,6 +476,13 @@ def _planned_config(
     model = cfg.model or GPTConfig()
     par = cfg.parallel
     user_sync = bool(SYNC_FIELDS & cfg.strategy.model_fields_set)  # from the file or --set
+    syncs = (sync_of(cfg.strategy),) if user_sync else AUTO_SYNCS
+    threads = max(1, (os.cpu_count() or 1) // cfg.nproc)  # what each worker will compute on
+    try:
+        hook_s = hook_costs(model, syncs, measured.device, threads)
+    except RuntimeError as exc:  # the plan goes on, charging PowerSGD its bytes alone
+        err.print(f"--strategy auto: {exc}", highlight=False, markup=False)
+        hook_s = {}
     choice = choose_layout(
         model,
         Cluster(measured.device, cfg.world_size, cfg.nproc, measured.calibration),
@@ -486,7 +493,8 @@ def _planned_config(
         schedule=par.schedule,
         chunks=par.virtual_stages,
         recompute=par.activation_checkpointing,
-        syncs=(sync_of(cfg.strategy),) if user_sync else AUTO_SYNCS,
+        syncs=syncs,
+        hook_s=hook_s,
     )
     refused = []
     for rank, option in enumerate(choice.ranked, 1):
@@ -502,7 +510,7 @@ def _planned_config(
         except ConfigError as exc:
             refused.append(f"--mesh {mesh} ({option.sync.label}): {exc}")
             continue
-        planned = planned.model_copy(update={"plan": plan_record(option, par.microbatches)})
+        planned = planned.model_copy(update={"plan": plan_record(option, par.microbatches, hook_s)})
         sync = "" if option.sync == DDP else f", synchronised by {option.sync.label}"
         rule = "" if option.sync == DDP else f", {option.steps_factor:g}x DDP's steps to a loss"
         err.print(

@@ -63,7 +63,8 @@ def _sync_options(best: list[Prediction], model: ModelSpec, cluster: Cluster) ->
     replicas = next((p for p in best if is_replicas(p.layout)), None)
     if replicas is None:
         return []
-    options = sync_options(replicas, AUTO_SYNCS, model.weight_shapes(), gloo=cluster.device.gloo)
+    options = sync_options(replicas, AUTO_SYNCS, model.weight_shapes(), gloo=cluster.device.gloo,
+                           latency_s=cluster.device.latency_s)  # fmt: skip
     return sorted(options, key=lambda o: o.time_to_loss_s)
 
 

@@ -68,11 +68,11 @@ def _choose_hook(cfg: StrategyConfig, group: dist.ProcessGroup | None) -> tuple[
             start_powerSGD_iter=cfg.powersgd_start_iter,
         )
         hook = powersgd.powerSGD_hook
-        return (_one_bucket_at_a_time(hook) if dist.get_backend(group) == "gloo" else hook), state
+        return (one_bucket_at_a_time(hook) if dist.get_backend(group) == "gloo" else hook), state
     return default_hooks.allreduce_hook, group
 
 
-def _one_bucket_at_a_time(hook: Callable) -> Callable:
+def one_bucket_at_a_time(hook: Callable) -> Callable:
     """PowerSGD issues a bucket's second and third all-reduce from the callback of the one
     before. gloo matches collectives across ranks by the order they are issued in, and the
     callbacks of two buckets race, so with several buckets the ranks can issue them in different

@@ -4,8 +4,10 @@ and how its replicas synchronise.
 The planner and the run share one :class:`~distml.layout.Layout`; the search offers only the
 ZeRO stages a distml mesh runs (no ZeRO-1). A layout of replicas alone (DDP) is weighed under
 each way to synchronise them (:data:`distml.plan.sync.AUTO_SYNCS`: fp16 or PowerSGD
-compression, Local SGD, DiLoCo): their step from the bytes each moves on the measured link,
-their steps to a loss from :data:`distml.plan.sync.STEPS_RULE`. Options rank by predicted time
+compression, Local SGD, DiLoCo): their step from the bytes each moves on the measured link
+(and, for PowerSGD on CPU workers, what its hook's own work measures here,
+:mod:`distml.plan.hook_probe`), their steps to a loss from
+:data:`distml.plan.sync.STEPS_RULE`. Options rank by predicted time
 to a loss, step seconds x relative steps, not by step time alone.
 
 >>> choice = choose_layout(GPTConfig(), cluster, global_batch=16, microbatches=8)  # doctest: +SKIP
@@ -16,13 +18,13 @@ to a loss, step seconds x relative steps, not by step time alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from distml.config import ConfigError, GPTConfig
 from distml.layout import RUNNABLE_ZERO, Layout
-from distml.plan.cost_model import Cluster, ModelSpec, Prediction, Training, predict
+from distml.plan.cost_model import Cluster, Device, ModelSpec, Prediction, Training, predict
 from distml.plan.search import divisors
 from distml.plan.sync import DDP, STEPS_RULE, Sync, data_parallel_step, steps_factor
 from distml.telemetry.units import format_bytes
@@ -162,6 +164,20 @@ class Choice:
         return self.ranked[0].sync
 
 
+def hook_costs(
+    cfg: GPTConfig, syncs: Sequence[Sync], device: Device, threads: int
+) -> dict[str, float]:
+    """The seconds a step each PowerSGD among ``syncs`` spends on its own work, by label,
+    measured on this machine for CPU workers of ``threads`` threads (their hook's matrices and
+    bookkeeping run on the CPU that computes; none is measured for GPUs, where it is small)."""
+    ranks = sorted({s.rank for s in syncs if s.name == "powersgd"})
+    if not ranks or not device.gloo:
+        return {}
+    from distml.plan.hook_probe import powersgd_hook_s
+
+    return {f"powersgd-r{r}": s for r, s in powersgd_hook_s(cfg, ranks, threads).items()}
+
+
 def is_replicas(layout: Layout) -> bool:
     """Whole replicas and nothing else: the layout a choice of synchronisation applies to."""
     return layout.data_parallel > 1 and not layout.zero and not layout.model_parallel
@@ -173,17 +189,26 @@ def sync_options(
     shapes: Sequence[Sequence[int]],
     *,
     gloo: bool,
+    latency_s: float = 0.0,
+    hook_s: Mapping[str, float] | None = None,
     rule: dict[str, float] = STEPS_RULE,
 ) -> list[Option]:
-    """``pred``, a layout of replicas under DDP, under each of ``syncs`` instead."""
+    """``pred``, a layout of replicas under DDP, under each of ``syncs`` instead; ``hook_s``:
+    the measured seconds a step of a gradient hook's own work, by label (:func:`hook_costs`),
+    ``latency_s`` a collective's on the link."""
     ranks = pred.layout.data_parallel
     ddp = (pred.step_time_s, pred.comm_s, pred.comm_exposed_s)
     options = []
     for sync in syncs:
-        step, comm, exposed = data_parallel_step(sync, shapes, ranks, ddp, gloo=gloo)
+        own = (hook_s or {}).get(sync.label, 0.0)
+        step, comm, exposed = data_parallel_step(
+            sync, shapes, ranks, ddp, gloo=gloo, latency_s=latency_s, hook_s=own
+        )
         factor = steps_factor(sync, rule)
         scale = pred.step_time_s / step
         note = [f"{sync.label}: {factor:g}x DDP's steps to a loss"] if sync != DDP else []
+        if own:
+            note.append(f"{sync.label}: its hook's own work, {own * 1e3:.1f} ms a step here")
         under = replace(
             pred,
             comm_s=comm,
@@ -210,12 +235,14 @@ def choose_layout(
     chunks: int = 1,
     recompute: str = "none",
     syncs: Sequence[Sync] = (DDP,),
+    hook_s: Mapping[str, float] | None = None,
 ) -> Choice:
     """The fastest predicted layout of ``cluster.devices`` workers that fits in device memory,
     under the run's own pipeline ``schedule`` (``chunks`` stages a rank) and ``recompute``.
     Candidates: dp x tp x pp = devices, tp dividing the heads, pp at most the layers, a batch
     that splits into the replicas (and, under a pipeline, into ``microbatches``); a layout of
-    replicas under each of ``syncs``, ranked by predicted time to a loss."""
+    replicas under each of ``syncs`` (their hooks' own work a step: ``hook_s``, by label),
+    ranked by predicted time to a loss."""
     model = model_spec(cfg, n_params)
     n = cluster.devices
     preds = []
@@ -240,7 +267,8 @@ def choose_layout(
     shapes = gpt_shapes(cfg) if any(sync != DDP for sync in syncs) else []
     for pred in fits:
         if is_replicas(pred.layout) and shapes:
-            options += sync_options(pred, syncs, shapes, gloo=cluster.device.gloo)
+            options += sync_options(pred, syncs, shapes, gloo=cluster.device.gloo,
+                                    latency_s=cluster.device.latency_s, hook_s=hook_s)  # fmt: skip
         else:
             options.append(Option(pred))
     options.sort(key=lambda o: o.time_to_loss_s)
@@ -250,12 +278,15 @@ def choose_layout(
     )
 
 
-def plan_record(option: Option, microbatches: int) -> dict[str, Any]:
+def plan_record(
+    option: Option, microbatches: int, hook_s: Mapping[str, float] | None = None
+) -> dict[str, Any]:
     """What a run chosen by the planner keeps of the choice (in its config, so every worker
-    has it): the layout, the synchronisation, and the prediction its summary sets beside the
-    measurement."""
+    has it): the layout, the synchronisation, the hooks' measured work it weighed, and the
+    prediction its summary sets beside the measurement."""
     pred = option.prediction
     return {
+        "hook_s": dict(hook_s or {}),
         "mesh": pred.layout.mesh_sizes(),
         "parallel": pred.layout.parallel_settings(),
         "layout": pred.layout.record(),

@@ -190,6 +190,21 @@ def sync_of(strategy: StrategyConfig) -> Sync:
     return Sync("ddp" if strategy.compression == "none" else "ddp-fp16")
 
 
+def ddp_buckets(shapes: Sequence[Sequence[int]], bucket_mb: float = 25.0) -> int:
+    """The gradient buckets DDP's reducer makes of fp32 parameters of ``shapes`` once it has
+    rebuilt them after the first step: the last parameters first, each bucket closed once it
+    holds its cap, 1 MiB for the first and ``bucket_mb`` MiB for every other (torch's
+    defaults)."""
+    buckets, filled = 0, None
+    for shape in reversed(shapes):
+        if filled is None:
+            buckets, filled = buckets + 1, 0.0
+        filled += FP32 * math.prod(shape)
+        if filled >= (2**20 if buckets == 1 else bucket_mb * 2**20):
+            filled = None
+    return buckets
+
+
 def data_parallel_step(
     sync: Sync,
     shapes: Sequence[Sequence[int]],
@@ -197,6 +212,8 @@ def data_parallel_step(
     ddp: tuple[float, float, float],
     *,
     gloo: bool = False,
+    latency_s: float = 0.0,
+    hook_s: float = 0.0,
 ) -> tuple[float, float, float]:
     """(step, communication, exposed communication) seconds of a data-parallel step under
     ``sync``, from DDP's ``ddp`` = (step, communication, exposed) on the same link, once many
@@ -204,15 +221,24 @@ def data_parallel_step(
 
     The bytes scale the communication. A gradient hook's collectives overlap the backward pass
     as DDP's did: what DDP hid stays hidden, the rest shows. Local SGD and DiLoCo average the
-    parameters after the step, where nothing overlaps them."""
+    parameters after the step, where nothing overlaps them. PowerSGD on gloo hides nothing:
+    distml runs its hook one bucket at a time (:mod:`distml.parallel.data`), and the hook's
+    three all-reduces a bucket (the uncompressed tensors, P, Q) go one after the other, each
+    paying the link's ``latency_s``. ``hook_s``: the hook's own work a step on these workers
+    (:mod:`distml.plan.hook_probe` measures it), added to the step."""
     step_s, comm_s, exposed_s = ddp
     steps = 10**6
     ratio = wire_bytes_per_step(sync, shapes, ranks, steps=steps, gloo=gloo) / (
         wire_bytes_per_step(DDP, shapes, ranks, steps=steps, gloo=gloo)
     )
     comm = comm_s * ratio
-    exposed = comm if sync.averages_parameters else max(0.0, comm - (comm_s - exposed_s))
-    return step_s - exposed_s + exposed, comm, exposed
+    if sync.name == "powersgd" and gloo:
+        exposed = comm + 3 * ddp_buckets(shapes) * latency_s
+    elif sync.averages_parameters:
+        exposed = comm
+    else:
+        exposed = max(0.0, comm - (comm_s - exposed_s))
+    return step_s - exposed_s + exposed + hook_s, comm, exposed
 
 
 def steps_to_target(curve: Sequence[tuple[int, float]], target: float, tol: float = 1e-3):

@@ -1,0 +1,95 @@
+"""What torch's PowerSGD hook costs a step on this machine, on its own: the cost model counts
+its bytes on the links, and this is the rest (the matrices it multiplies and orthogonalises,
+its error feedback, its bookkeeping per tensor), which on CPU workers is tens of milliseconds a
+step for a model of a million parameters.
+
+The hook is timed from inside, installed as distml installs it on gloo (one bucket at a time),
+under a DDP of one process whose collectives cost nothing. That world of one lives in a process
+of its own (``python -m distml.plan.hook_probe``), so that the planner's process (the launcher
+of ``distml run --strategy auto``) never joins a distributed world nor keeps gloo's threads.
+
+>>> powersgd_hook_s(GPTConfig(), ranks=(2, 8), threads=1)  # doctest: +SKIP
+{2: 0.0091, 8: 0.0098}
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from distml.config import GPTConfig
+
+
+def powersgd_hook_s(
+    cfg: GPTConfig, ranks: Sequence[int], threads: int, steps: int = 9, start_iter: int = 2
+) -> dict[int, float]:
+    """Seconds a step the hook of each rank in ``ranks`` spends on its own for this GPT's
+    gradients, computing on ``threads`` threads as a worker would: the median over ``steps``
+    steps past its plain start. Raises ``RuntimeError`` where the probe fails."""
+    request = {"model": cfg.model_dump(), "ranks": list(ranks), "threads": threads,
+               "steps": steps, "start_iter": start_iter}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "distml.plan.hook_probe", json.dumps(request)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the PowerSGD probe failed: {done.stderr.strip()[-2000:]}")
+    return {int(rank): seconds for rank, seconds in json.loads(done.stdout).items()}
+
+
+def _time_hooks(cfg: GPTConfig, ranks: list[int], steps: int, start_iter: int) -> dict[int, float]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel
+
+    from distml.models.gpt import GPT, lm_loss
+    from distml.parallel.data import one_bucket_at_a_time
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
+    costs = {}
+    for rank in ranks:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(GPT(cfg))
+        state = powersgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter
+        )
+        hook = one_bucket_at_a_time(powersgd.powerSGD_hook)
+        spent = [0.0]
+
+        def timed(state, bucket, hook=hook, spent=spent):  # noqa: ANN001, ANN202
+            start = time.perf_counter()
+            future = hook(state, bucket)
+            spent[0] += time.perf_counter() - start
+            return future
+
+        model.register_comm_hook(state, timed)
+        per_step = []
+        for step in range(start_iter + 1 + steps):  # the plain steps, a first compressed one
+            spent[0] = 0.0
+            lm_loss(model(tokens), tokens).backward()
+            if step > start_iter:
+                per_step.append(spent[0])
+        costs[rank] = statistics.median(per_step)
+    return costs
+
+
+def main(argv: list[str]) -> None:
+    import torch
+
+    request = json.loads(argv[0])
+    torch.set_num_threads(request["threads"])
+    cfg = GPTConfig(**request["model"])
+    costs = _time_hooks(cfg, request["ranks"], request["steps"], request["start_iter"])
+    print(json.dumps(costs))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
