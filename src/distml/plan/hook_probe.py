@@ -32,15 +32,15 @@ def powersgd_hook_s(
     steps past its plain start. Raises ``RuntimeError`` where the probe fails."""
     request = {"model": cfg.model_dump(), "ranks": list(ranks), "threads": threads,
                "steps": steps, "start_iter": start_iter}  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "distml.plan.hook_probe", json.dumps(request)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    argv = [sys.executable, "-m", "distml.plan.hook_probe", json.dumps(request)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError("the PowerSGD probe failed: no answer in 300 s") from None
     if done.returncode != 0:
         raise RuntimeError(f"the PowerSGD probe failed: {done.stderr.strip()[-2000:]}")
-    return {int(rank): seconds for rank, seconds in json.loads(done.stdout).items()}
+    answer = json.loads(done.stdout.strip().splitlines()[-1])  # the last line is the probe's
+    return {int(rank): seconds for rank, seconds in answer.items()}
 
 
 def _time_hooks(cfg: GPTConfig, ranks: list[int], steps: int, start_iter: int) -> dict[int, float]:
