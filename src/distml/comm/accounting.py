@@ -3,11 +3,14 @@
 Every torch collective passes through the dispatcher as a ``c10d`` (process-group API) or
 ``_c10d_functional`` (DTensor) operator, so one dispatch mode sees them all. It sums each one's
 payload (see :mod:`distml.comm.collectives` for what payload and wire bytes mean) and the time
-this rank spends blocked in it.
+this rank spends blocked in it: in the operator, in a functional collective's ``wait_tensor``,
+and in ``Work.wait()`` on what an operator issued asynchronously, which is where FSDP2's
+all-gathers and reduce-scatters and the pipeline's sends and receives wait on CPU (gloo).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -80,6 +83,31 @@ class CommAccounting(TorchDispatchMode):
         super().__init__()
         self.report = report
         self.blocked_s = 0.0
+        self._wait: Callable[..., Any] | None = None
+
+    def __enter__(self) -> CommAccounting:
+        # Work.wait is a method of torch's C++ class, not an operator: while this mode is on,
+        # the waits of the thread that turned it on are timed too, and nothing else changes.
+        self._wait = original = dist.Work.wait
+        thread = threading.get_ident()
+
+        def timed_wait(work: dist.Work, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != thread:
+                return original(work, *args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return original(work, *args, **kwargs)
+            finally:
+                self.blocked_s += time.perf_counter() - start
+
+        dist.Work.wait = timed_wait
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            dist.Work.wait = self._wait
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
