@@ -156,6 +156,34 @@ def test_ddp_across_two_shaped_hosts_reports_the_links_time(testbed_factory, tmp
 @pytest.mark.netns
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
+def test_fsdp_across_two_shaped_hosts_reports_the_time_it_waits_on_the_link(
+    testbed_factory, tmp_path
+):
+    """FSDP2 waits on its all-gathers and reduce-scatters in ``Work.wait()``: at 50 Mbit/s its
+    step is the link's, and the communication the run reports is at least what its bytes take at
+    the line rate, less the compute a step could overlap (about a tenth of it here)."""
+    bed = testbed_factory(2, "50mbit")
+    endpoint = f"{bed.hosts[0].addr}:29534"
+
+    def argv(rank, host):
+        return [
+            sys.executable, "-m", "distml", "run", "--nnodes", "2", "--nproc", "1",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", "sharded", "--run-name", "sharded",
+            "--runs-dir", str(tmp_path / host.name), "--mesh", "fsdp=2", str(TRAIN),
+            "--steps", "4",
+        ]  # fmt: skip
+
+    run_on_every_host(bed, argv, tmp_path, bed.threads_per_worker(2))
+    (summary_file,) = [p for p in tmp_path.glob("*/sharded/summary.json")]
+    summary = json.loads(summary_file.read_text())
+    sent = sum(summary["wire_bytes"].values())
+    at_link_rate = sent / line_rate_bytes(bed.rate_bits)
+    assert summary["comm_s"] >= 0.8 * at_link_rate, (summary, at_link_rate)
+
+
+@pytest.mark.netns
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
 def test_bench_across_two_hosts_measures_the_shaped_link_and_the_node_apart(
     testbed_factory, tmp_path
 ):
