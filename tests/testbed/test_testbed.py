@@ -126,6 +126,30 @@ def run_on_every_host(bed: Testbed, argv_of, tmp_path: Path, threads: int, cwd=R
     return context
 
 
+def train_across_two_hosts(
+    bed: Testbed,
+    tmp_path: Path,
+    name: str,
+    port: int,
+    options: tuple[str, ...] = (),
+    steps: int = 6,
+) -> dict:
+    """examples/gpt trained as run ``name`` by one worker on each of ``bed``'s two hosts, through
+    ``distml run --nnodes 2`` (with ``options``), for ``steps`` steps; its summary."""
+    endpoint = f"{bed.hosts[0].addr}:{port}"
+
+    def argv(rank, host):
+        return [
+            sys.executable, "-m", "distml", "run", "--nnodes", "2", "--nproc", "1",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", name, "--run-name", name,
+            "--runs-dir", str(tmp_path / host.name), *options, str(TRAIN), "--steps", str(steps),
+        ]  # fmt: skip
+
+    run_on_every_host(bed, argv, tmp_path, bed.threads_per_worker(2))
+    (summary_file,) = [p for p in tmp_path.glob(f"*/{name}/summary.json")]
+    return json.loads(summary_file.read_text())
+
+
 @pytest.mark.netns
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
@@ -135,18 +159,7 @@ def test_ddp_across_two_shaped_hosts_reports_the_links_time(testbed_factory, tmp
     whole gradient once per step, both directions at once). The link is the bottleneck here,
     so little of it overlaps the backward pass; TCP/IP headers add about 4% to what tc counts."""
     bed = testbed_factory(2, "50mbit")
-    endpoint = f"{bed.hosts[0].addr}:29533"
-
-    def argv(rank, host):
-        return [
-            sys.executable, "-m", "distml", "run", "--nnodes", "2", "--nproc", "1",
-            "--rdzv-endpoint", endpoint, "--rdzv-id", "shaped", "--run-name", "shaped",
-            "--runs-dir", str(tmp_path / host.name), str(TRAIN), "--steps", "6",
-        ]  # fmt: skip
-
-    run_on_every_host(bed, argv, tmp_path, bed.threads_per_worker(2))
-    (summary_file,) = [p for p in tmp_path.glob("*/shaped/summary.json")]
-    summary = json.loads(summary_file.read_text())
+    summary = train_across_two_hosts(bed, tmp_path, "shaped", 29533, steps=6)
     sent = summary["wire_bytes"]["all_reduce"]
     at_link_rate = sent / line_rate_bytes(bed.rate_bits)  # payload bytes: TCP/IP headers out
     # Measured +8% quiet, +15% beside a full suite: the machine's load, not the link, is the rest.
@@ -163,19 +176,7 @@ def test_fsdp_across_two_shaped_hosts_reports_the_time_it_waits_on_the_link(
     step is the link's, and the communication the run reports is at least what its bytes take at
     the line rate, less the compute a step could overlap (about a tenth of it here)."""
     bed = testbed_factory(2, "50mbit")
-    endpoint = f"{bed.hosts[0].addr}:29534"
-
-    def argv(rank, host):
-        return [
-            sys.executable, "-m", "distml", "run", "--nnodes", "2", "--nproc", "1",
-            "--rdzv-endpoint", endpoint, "--rdzv-id", "sharded", "--run-name", "sharded",
-            "--runs-dir", str(tmp_path / host.name), "--mesh", "fsdp=2", str(TRAIN),
-            "--steps", "4",
-        ]  # fmt: skip
-
-    run_on_every_host(bed, argv, tmp_path, bed.threads_per_worker(2))
-    (summary_file,) = [p for p in tmp_path.glob("*/sharded/summary.json")]
-    summary = json.loads(summary_file.read_text())
+    summary = train_across_two_hosts(bed, tmp_path, "sharded", 29534, ("--mesh", "fsdp=2"), steps=4)
     sent = sum(summary["wire_bytes"].values())
     at_link_rate = sent / line_rate_bytes(bed.rate_bits)
     assert summary["comm_s"] >= 0.8 * at_link_rate, (summary, at_link_rate)
