@@ -456,6 +456,7 @@ def _planned_config(
     chose one). The config has the last word: a layout it refuses (too few micro-batches for
     that many stages, say) gives way to the next best."""
     from distml.config import GPTConfig
+    from distml.launch.elastic import worker_threads
     from distml.plan.auto import choose_layout, gpt_params, hook_costs, plan_record
     from distml.plan.bench import read_cluster_file
     from distml.plan.cost_model import Cluster
@@ -477,9 +478,8 @@ def _planned_config(
     par = cfg.parallel
     user_sync = bool(SYNC_FIELDS & cfg.strategy.model_fields_set)  # from the file or --set
     syncs = (sync_of(cfg.strategy),) if user_sync else AUTO_SYNCS
-    threads = max(1, (os.cpu_count() or 1) // cfg.nproc)  # what each worker will compute on
     try:
-        hook_s = hook_costs(model, syncs, measured.device, threads)
+        hook_s = hook_costs(model, syncs, measured.device, worker_threads(cfg.nproc))
     except RuntimeError as exc:  # the plan goes on, charging PowerSGD its bytes alone
         err.print(f"--strategy auto: {exc}", highlight=False, markup=False)
         hook_s = {}

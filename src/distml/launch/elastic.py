@@ -276,6 +276,16 @@ def _failures(err: ChildFailedError) -> list[WorkerFailure]:
     return out
 
 
+def worker_threads(nproc: int) -> int:
+    """The threads each of ``nproc`` workers on this node computes on: ``OMP_NUM_THREADS`` where
+    it is set; otherwise, as torchrun sets it but sharing the cores rather than taking one each
+    (N workers with torch's default of one thread per core would oversubscribe the CPU N times),
+    cores / nproc."""
+    if (threads := os.environ.get("OMP_NUM_THREADS", "")).isdigit():
+        return max(1, int(threads))
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
 def run_workers(
     config: RunConfig, entrypoint: Callable[..., Any] | str, args: tuple[Any, ...]
 ) -> dict[int, Any]:
@@ -292,9 +302,7 @@ def run_workers(
     save_config(config, config_path)
     local_addr, worker_env = node_addressing(config)
     if "OMP_NUM_THREADS" not in os.environ:
-        # As torchrun does, but sharing the cores rather than taking one each: N workers with
-        # torch's default of one thread per core would oversubscribe the CPU N times.
-        worker_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.nproc))
+        worker_env["OMP_NUM_THREADS"] = str(worker_threads(config.nproc))
     worker_env[_SIGNALS_ENV] = config.signals_to_handle
     if callable(entrypoint):
         start_fork_server()
