@@ -56,7 +56,8 @@ def _bucket_payload(state: _AccountedState, bucket: dist.GradBucket, hook: Calla
     return result
 
 
-def _choose_hook(cfg: StrategyConfig, group: dist.ProcessGroup | None) -> tuple[Callable, Any]:
+def choose_hook(cfg: StrategyConfig, group: dist.ProcessGroup | None) -> tuple[Callable, Any]:
+    """The DDP communication hook ``cfg`` asks for over ``group``, and its state."""
     if cfg.compression == "fp16":
         return default_hooks.fp16_compress_hook, group
     if cfg.compression == "bf16":
@@ -68,11 +69,11 @@ def _choose_hook(cfg: StrategyConfig, group: dist.ProcessGroup | None) -> tuple[
             start_powerSGD_iter=cfg.powersgd_start_iter,
         )
         hook = powersgd.powerSGD_hook
-        return (one_bucket_at_a_time(hook) if dist.get_backend(group) == "gloo" else hook), state
+        return (_one_bucket_at_a_time(hook) if dist.get_backend(group) == "gloo" else hook), state
     return default_hooks.allreduce_hook, group
 
 
-def one_bucket_at_a_time(hook: Callable) -> Callable:
+def _one_bucket_at_a_time(hook: Callable) -> Callable:
     """PowerSGD issues a bucket's second and third all-reduce from the callback of the one
     before. gloo matches collectives across ranks by the order they are issued in, and the
     callbacks of two buckets race, so with several buckets the ranks can issue them in different
@@ -147,7 +148,7 @@ def apply_ddp(
         wire = ring_wire_bytes("all_reduce", nbytes, world)
         return ddp, lambda: accounting.add_comm("all_reduce", nbytes, wire)
 
-    hook, inner = _choose_hook(cfg, group)
+    hook, inner = choose_hook(cfg, group)
     state = _AccountedState(inner, accounting, world, cfg.compression)
 
     # No annotations here: DDP checks them, and this module's postponed (string) annotations

@@ -47,11 +47,11 @@ def powersgd_hook_s(
 def _time_hooks(cfg: GPTConfig, ranks: list[int], steps: int, start_iter: int) -> dict[int, float]:
     import torch
     import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel
 
+    from distml.config import StrategyConfig
     from distml.models.gpt import GPT, lm_loss
-    from distml.parallel.data import one_bucket_at_a_time
+    from distml.parallel.data import choose_hook
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
@@ -59,10 +59,10 @@ def _time_hooks(cfg: GPTConfig, ranks: list[int], steps: int, start_iter: int) -
     for rank in ranks:
         torch.manual_seed(0)
         model = DistributedDataParallel(GPT(cfg))
-        state = powersgd.PowerSGDState(
-            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter
+        compression = StrategyConfig(
+            compression="powersgd", powersgd_rank=rank, powersgd_start_iter=start_iter
         )
-        hook = one_bucket_at_a_time(powersgd.powerSGD_hook)
+        hook, state = choose_hook(compression, None)  # as a run installs it on this gloo world
         spent = [0.0]
 
         def timed(state, bucket, hook=hook, spent=spent):  # noqa: ANN001, ANN202
