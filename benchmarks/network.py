@@ -61,9 +61,10 @@ from distml.plan.sync import (
     Sync,
     choose,
     line_rate_bytes,
+    pipeline_step_seconds,
     step_seconds,
     steps_to_target,
-    wire_bytes_per_step,
+    wire_bytes_by_collective,
 )
 from distml.testbed import Testbed, rate_bits, unavailable
 
@@ -308,21 +309,27 @@ def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) ->
     against the measured ones; then the two choices at each rate against the best measured
     time to target."""
     cfg = GPTConfig()
-    shapes = [tuple(p.shape) for p in GPT(cfg).parameters()]
+    model = GPT(cfg)
+    shapes = [tuple(p.shape) for p in model.parameters()]
     boundary = GLOBAL_BATCH * cfg.seq_len * cfg.hidden * 4
+    # FSDP gathers a block at a time (distml.parallel.sharded): each rank's half of one.
+    shard = 4 * sum(p.numel() for p in next(iter(model.blocks.values())).parameters()) / 2
     base = rates[0]
     clusters = results.get("clusters", {})
     rows, errors = [], []
     for name in names:
-        wire = wire_bytes_per_step(SYNCS[name], shapes, 2, steps=10**6, gloo=True,
-                                   boundary_activation_bytes=boundary)  # fmt: skip
+        wire = wire_bytes_by_collective(SYNCS[name], shapes, 2, steps=10**6, gloo=True,
+                                        boundary_activation_bytes=boundary)  # fmt: skip
         cells = [name]
         for rate in rates:
             measured = results["rates"][rate][name]["step_s"]
             base_s = results["rates"][base][name]["step_s"]
-            predicted = step_seconds(
-                base_s, wire, bandwidth(clusters, base), bandwidth(clusters, rate)
-            )
+            links = [bandwidths(clusters, r, shard, boundary / MICROBATCHES) for r in (base, rate)]
+            if name == "pipeline":
+                predicted = pipeline_step_seconds(base_s, 2, MICROBATCHES,
+                                                  boundary / MICROBATCHES, *links)  # fmt: skip
+            else:
+                predicted = step_seconds(base_s, wire, *links)
             results["rates"][rate][name]["predicted_step_s"] = predicted
             error = measured / predicted - 1  # samples/s: predicted over measured, minus 1
             if rate != base:
@@ -382,6 +389,23 @@ def auto_choice(cluster: dict[str, Any], hook_s: dict[str, float] | None) -> str
 def bandwidth(clusters: dict[str, dict[str, Any]], rate: str) -> float:
     measured = clusters.get(rate)
     return measured["device"]["inter_bw"] if measured else line_rate_bytes(rate_bits(rate))
+
+
+def bandwidths(
+    clusters: dict[str, dict[str, Any]], rate: str, shard: float, message: float
+) -> dict[str, float]:
+    """Each collective's bytes/s between the hosts as distml bench measured them (all-gathers
+    of ``shard`` bytes a rank; ``message`` bytes both ways at once), the line rate where it
+    measured nothing."""
+    measured = clusters.get(rate)
+    if not measured:
+        return {"all_reduce": line_rate_bytes(rate_bits(rate))}
+    device = cluster_from_dict(measured).device
+    return {
+        "all_reduce": device.inter_bw,
+        "all_gather": device.allgather_bw(shard),
+        "exchange": device.exchange_bw(message),
+    }
 
 
 def _plot(results: dict[str, Any], names: list[str], rates: list[str]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from distml.plan import DEVICES, Cluster, Layout, ModelSpec, Training, predict
@@ -13,6 +15,8 @@ from distml.plan.cost_model import (
     model_state_bytes,
     training_flops,
 )
+from distml.plan.simulator import pipeline_step_s
+from distml.plan.spec import BYTES
 
 GPT3 = ModelSpec(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, params=175e9)
 
@@ -79,6 +83,59 @@ def test_data_parallel_traffic_hides_behind_backward_until_it_outlasts_it():
     pred = predict(model, cluster, Training(global_batch=64), Layout(dp=8))
     assert pred.comm_exposed_s == pytest.approx(max(0.0, pred.comm_s - pred.compute_s * 2 / 3))
     assert pred.step_time_s == pytest.approx(pred.compute_s + pred.comm_exposed_s)
+
+
+def test_fsdp_between_nodes_gathers_at_the_measured_all_gather_rate():
+    model = ModelSpec(layers=4, hidden=1024, heads=8, seq=512, vocab=1000)
+    train, layout = Training(global_batch=2), Layout.sharded(2, 3)
+    shard = BYTES[train.precision] * model.layer_weights / 2  # a block's half on each rank
+    plain = Device("cpu", 80e9, 1e11, 1e9, 1e7, 1e-4, 50.0)
+    # Measured: all-gathers slower than the all-reduce, and slower still for larger shards.
+    measured = replace(plain, inter_allgather_bw=((shard / 4, 6e6), (shard * 4, 4e6)))
+    assert measured.allgather_bw(shard) == pytest.approx(5e6)  # halfway in log(size)
+    assert measured.allgather_bw(1.0) == 6e6 and measured.allgather_bw(1e12) == 4e6
+    assert plain.allgather_bw(shard) == plain.inter_bw
+    one, other = (
+        predict(model, Cluster(dev, devices=2, devices_per_node=1), train, layout)
+        for dev in (plain, measured)
+    )
+    gathered = one.comm_bytes["dp_all_gather"]
+    assert other.comm_s - one.comm_s == pytest.approx(gathered / 5e6 - gathered / 1e7)
+    # One node: the link inside it, whatever the nodes' all-gathers do.
+    inside = [predict(model, Cluster(d, devices=2), train, layout) for d in (plain, measured)]
+    assert inside[0].comm_s == inside[1].comm_s
+
+
+def test_a_pipeline_across_nodes_runs_torchs_1f1b_on_the_measured_link():
+    model = ModelSpec(layers=4, hidden=256, heads=4, seq=128, vocab=1000)
+    train, layout = Training(global_batch=16, micro_batch=4), Layout(pp=2)
+    plain = Device("cpu", 80e9, 1e10, 1e9, 1e7, 1e-4, 50.0)
+    nodes = {
+        ways: Cluster(replace(plain, inter_exchange_bw=ways), devices=2, devices_per_node=1)
+        for ways in ((), ((1.0, 1e7),), ((1.0, 5e6),))
+    }
+    end_to_end, duplex, shared = (predict(model, c, train, layout) for c in nodes.values())
+    micro_s = end_to_end.compute_s / 4
+    message = end_to_end.comm_bytes["pp_send_recv"] / 8
+    assert duplex.step_time_s == pytest.approx(
+        pipeline_step_s(2, 4, micro_s / 3, 2 * micro_s / 3, message, 1e7, 1e7)
+    )
+    # Not measured both ways: every transfer on the critical path, as before.
+    assert duplex.step_time_s < shared.step_time_s <= end_to_end.step_time_s * 1.001
+    assert shared.step_time_s == pytest.approx(
+        (shared.compute_s + shared.comm_exposed_s) / (1 - shared.bubble_fraction)
+    )
+
+
+@pytest.mark.parametrize("points", [((1e6, 0.0),), ((2e6, 1e7), (1e6, 1e7)), ((1e6, 1e7),) * 2])
+def test_measured_all_gathers_must_be_positive_and_by_growing_size(points):
+    with pytest.raises(ValueError, match="inter_allgather_bw"):
+        Device("cpu", 80e9, 1e11, 1e9, 1e7, 1e-4, 50.0, inter_allgather_bw=points)
+
+
+def test_a_measured_exchange_must_be_positive():
+    with pytest.raises(ValueError, match="inter_exchange_bw"):
+        Device("cpu", 80e9, 1e11, 1e9, 1e7, 1e-4, 50.0, inter_exchange_bw=((1e5, 0.0),))
 
 
 @pytest.mark.parametrize("tokens", [(2, 16), (4, 32)])

@@ -8,6 +8,7 @@ from distml.plan.simulator import (
     bubble_of,
     draw_gantt,
     peak_in_flight,
+    pipeline_step_s,
     simulate_failures,
     simulate_pipeline,
     simulate_stragglers,
@@ -27,6 +28,32 @@ def test_1f1b_holds_at_most_p_micro_batches_gpipe_all_m():
     p, m = 4, 16
     assert peak_in_flight(simulate_pipeline(p, m, schedule="1f1b"), 0) == p
     assert peak_in_flight(simulate_pipeline(p, m, schedule="gpipe"), 0) == m
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 2), (4, 8), (8, 4)])
+def test_torchs_1f1b_without_transfers_takes_the_schedules_time(p, m):
+    tasks = simulate_pipeline(p, m, 1.0, 2.0, "1f1b")
+    assert pipeline_step_s(p, m, 1.0, 2.0) == pytest.approx(max(t.end for t in tasks))
+    assert pipeline_step_s(p, m, 1.0, 2.0, 1e6, float("inf")) == pytest.approx((m + p - 1) * 3)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_one_micro_batch_waits_for_every_transfer(p):
+    # Forward through p stages and back: p forwards, p backwards, 2 (p - 1) transfers of 0.5.
+    assert pipeline_step_s(p, 1, 1.0, 2.0, message_bytes=1.0, bandwidth=2.0) == pytest.approx(
+        3 * p + (p - 1)
+    )
+
+
+def test_a_link_that_shares_its_rate_both_ways_is_slower_than_full_duplex():
+    p, m, forward, transfer = 2, 4, 0.1, 1.0
+    compute = (m + p - 1) * 3 * forward
+    duplex = pipeline_step_s(p, m, forward, 2 * forward, 1.0, 1.0)
+    shared = pipeline_step_s(p, m, forward, 2 * forward, 1.0, 1.0, exchange_bandwidth=0.5)
+    end_to_end = compute + 2 * m * (p - 1) * transfer  # every transfer on the critical path
+    assert compute < duplex < shared <= end_to_end + 1e-9
+    # Shared both ways, the link moves the step's 2m transfers at one way's rate at best.
+    assert shared >= 2 * m * transfer
 
 
 def test_gantt_chart_is_a_png(tmp_path):

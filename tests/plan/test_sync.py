@@ -20,10 +20,12 @@ from distml.plan.sync import (
     data_parallel_step,
     ddp_buckets,
     line_rate_bytes,
+    pipeline_step_seconds,
     powersgd_elements,
     step_seconds,
     steps_to_target,
     sync_of,
+    wire_bytes_by_collective,
     wire_bytes_per_step,
 )
 
@@ -58,6 +60,14 @@ def test_bytes_follow_the_ring_formulas(ranks):
     assert wire_bytes_per_step(Sync("fsdp"), SHAPES, ranks, gloo=True, **kw) == pytest.approx(
         4 * (ranks - 1) / ranks * 4 * PARAMS
     )
+    # By collective: the all-gathers apart, since a link may move them at another rate.
+    gathers = 2 * (ranks - 1) / ranks * 4 * PARAMS
+    assert wire_bytes_by_collective(Sync("fsdp"), SHAPES, ranks, gloo=True, **kw) == (
+        pytest.approx({"all_gather": gathers, "all_reduce": ring})
+    )
+    assert wire_bytes_by_collective(Sync("fsdp"), SHAPES, ranks, **kw) == (
+        pytest.approx({"all_gather": gathers, "reduce_scatter": ring / 2})
+    )
     activations = wire_bytes_per_step(
         Sync("pipeline"), SHAPES, 2, boundary_activation_bytes=1e6, **kw
     )
@@ -71,9 +81,26 @@ def test_bytes_follow_the_ring_formulas(ranks):
         wire_bytes_per_step(Sync("gossip"), SHAPES, ranks, **kw)
 
 
+def test_a_pipeline_step_on_a_slower_link_from_the_fast_links_step():
+    fast = {"all_reduce": 1e9}
+    slow = {"all_reduce": 1e6}
+    shared = slow | {"exchange": 5e5}  # both ways at once share the rate
+    base, message = 0.072, 1.3e5
+    assert pipeline_step_seconds(base, 2, 4, message, fast, fast) == pytest.approx(base)
+    duplex = pipeline_step_seconds(base, 2, 4, message, fast, slow)
+    sharing = pipeline_step_seconds(base, 2, 4, message, fast, shared)
+    end_to_end = step_seconds(base, {"send_recv": 2 * 4 * message}, fast, slow)
+    assert base < duplex < sharing <= end_to_end * 1.01
+
+
 def test_a_slower_link_adds_what_the_bytes_take_at_its_rate():
-    assert step_seconds(0.3, 1e6, 1e8, 1e8) == 0.3
-    assert step_seconds(0.3, 1e6, 1e8, 1e6) == pytest.approx(0.3 + 1.0 - 0.01)
+    fast, slow = {"all_reduce": 1e8}, {"all_reduce": 1e6}
+    assert step_seconds(0.3, {"all_reduce": 1e6}, fast, fast) == 0.3
+    assert step_seconds(0.3, {"all_reduce": 1e6}, fast, slow) == pytest.approx(0.3 + 1.0 - 0.01)
+    # Each collective at its own rate; one with none of its own at the all-reduce's.
+    wire = {"all_reduce": 1e6, "all_gather": 1e6, "send_recv": 1e6}
+    gathers_slower = slow | {"all_gather": 5e5}
+    assert step_seconds(0.3, wire, fast, gathers_slower) == pytest.approx(0.3 + 1 + 2 + 1 - 0.03)
     assert line_rate_bytes(100e6) == pytest.approx(12.5e6 * TCP_PAYLOAD_FRACTION)
 
 

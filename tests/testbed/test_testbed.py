@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import outputs
+from distml.plan.bench import read_cluster_file
 from distml.plan.sync import line_rate_bytes
 from distml.testbed import Testbed, TestbedError, rate_bits
 
@@ -206,3 +207,12 @@ def test_bench_across_two_hosts_measures_the_shaped_link_and_the_node_apart(
     # the TCP/IP headers too.
     assert dev["inter_bw"] == pytest.approx(bed.link_rate_bytes(), rel=0.10), (dev, context)
     assert dev["intra_bw"] > 5 * dev["inter_bw"]  # the node's own ranks talk unshaped
+    # All-gathers, and messages both ways at once, across the link by size: at most the
+    # link's rate each way, and measured (not the all-reduce's figure again).
+    for name in ("inter_allgather_bw", "inter_exchange_bw"):
+        sizes = [size for size, _ in dev[name]]
+        assert sizes == sorted(sizes) and len(sizes) == 2, dev
+        for _, rate in dev[name]:
+            assert 0.1 * bed.link_rate_bytes() < rate < 1.1 * bed.link_rate_bytes(), dev
+    device = read_cluster_file(tmp_path / f"{bed.hosts[0].name}.toml").device
+    assert device.inter_allgather_bw and device.inter_exchange_bw

@@ -62,6 +62,54 @@ def bus_bandwidth(
     return best
 
 
+def allgather_bandwidth(
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    shard_mb: float,
+    burst: int = 4,
+    repeats: int = 5,
+) -> float:
+    """Bytes/s each rank sends in all-gathers of ``shard_mb`` MiB a rank, ``burst`` of them back
+    to back as FSDP gathers one block after another: the median of ``repeats`` bursts
+    (all-gather's bus bandwidth in NCCL-tests' terms, ``(d-1)/d`` of the gathered bytes over
+    the time). Every rank of the group calls it."""
+    ranks = dist.get_world_size(group)
+    shard = torch.ones(int(shard_mb * 2**18), device=device)  # fp32: shard_mb MiB
+    gathered = torch.empty(ranks * shard.numel(), device=device)
+
+    def gathers() -> None:
+        for _ in range(burst):
+            dist.all_gather_into_tensor(gathered, shard, group=group)
+
+    return (ranks - 1) * shard.numel() * 4 * burst / median_time(gathers, repeats)
+
+
+def exchange_bandwidth(
+    device: torch.device, peer: int, message_mb: float = 0.25, burst: int = 4, repeats: int = 5
+) -> float:
+    """Bytes/s each way while this rank and ``peer`` send each other ``burst`` messages of
+    ``message_mb`` MiB at once, as neighbouring pipeline stages do (activations one way, their
+    gradients the other): the median of ``repeats``. Both ranks call it."""
+    out = torch.ones(int(message_mb * 2**18), device=device)  # fp32: message_mb MiB
+    into = torch.empty_like(out)
+
+    def exchange() -> None:
+        for _ in range(burst):
+            ops = [dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, into, peer)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    return out.numel() * 4 * burst / median_time(exchange, repeats)
+
+
+# The sizes (MiB) at which ``distml bench`` measures between nodes all-gathers (a rank's shard:
+# FSDP gathers a block a collective) and both ways at once (a message: a pipeline sends a
+# micro-batch's activations). On a slow link either reaches a rate that depends on its size,
+# differently at different rates (BENCHMARKS.md, slow links).
+ALLGATHER_SHARDS_MB = (0.25, 1.0)
+EXCHANGE_MB = (0.125, 0.5)
+
+
 def node_links(
     device: torch.device, sizes_mb=(0.25, 1, 4), repeats: int = 3, inter_mb: float = 4
 ) -> dict[str, Any]:
@@ -70,26 +118,44 @@ def node_links(
     ranks of a node are consecutive, as torchrun's launcher numbers them. Every rank calls it;
     ``intra_bw`` is None where a node has one rank.
 
-    Between nodes only a large message (``inter_mb`` MiB) counts: a rate-limited link lets a
-    burst through at once (a token bucket's, a switch's buffer), so a small message can
-    measure more than the line rate, which no gradient bucket sees."""
+    Between nodes only a large message (``inter_mb`` MiB) counts for the all-reduce: a
+    rate-limited link lets a burst through at once (a token bucket's, a switch's buffer), so a
+    small message can measure more than the line rate, which no gradient bucket sees. Between
+    nodes there are two more figures, for the collectives that move differently from an
+    all-reduce: all-gathers by shard size (``inter_allgather_bw``: (bytes, bytes/s) pairs), and
+    two nodes sending to each other at once (``inter_exchange_bw``, each way), in bursts of
+    several messages as FSDP and a pipeline send them."""
     world, rank = dist.get_world_size(), dist.get_rank()
     nodes = _nodes()
     local = world // nodes
     leaders = dist.new_group([node * local for node in range(nodes)])
-    inter = bus_bandwidth(device, leaders, (inter_mb,), repeats) if rank % local == 0 else 0.0
+    inter, gathers, exchange = 0.0, [0.0] * len(ALLGATHER_SHARDS_MB), [0.0] * len(EXCHANGE_MB)
+    if rank % local == 0:
+        inter = bus_bandwidth(device, leaders, (inter_mb,), repeats)
+        gathers = [allgather_bandwidth(device, leaders, mb) for mb in ALLGATHER_SHARDS_MB]
+        if rank < 2 * local:  # the first two nodes' leaders, both ways at once
+            exchange = [exchange_bandwidth(device, local - rank, mb) for mb in EXCHANGE_MB]
     dist.barrier()
     intra = None
     if local > 1:
         own, _ = dist.new_subgroups(group_size=local)
         intra = bus_bandwidth(device, own, sizes_mb, repeats)
-    out = torch.tensor([inter, intra or 0.0], dtype=torch.float64, device=device)
+    out = torch.tensor(
+        [inter, intra or 0.0, *gathers, *exchange], dtype=torch.float64, device=device
+    )
     dist.broadcast(out, 0)
+    rates = out[2:].tolist()
+
+    def by_size(sizes_mb: tuple[float, ...], values: list[float]) -> list[list[float]]:
+        return [[mb * 2**20, bw] for mb, bw in zip(sizes_mb, values, strict=True)]
+
     return {
         "nodes": nodes,
         "devices_per_node": local,
         "inter_bw": out[0].item(),
         "intra_bw": out[1].item() if local > 1 else None,
+        "inter_allgather_bw": by_size(ALLGATHER_SHARDS_MB, rates[: len(ALLGATHER_SHARDS_MB)]),
+        "inter_exchange_bw": by_size(EXCHANGE_MB, rates[len(ALLGATHER_SHARDS_MB) :]),
     }
 
 
@@ -186,9 +252,11 @@ def measure(
     world = dist.get_world_size()
     per_node, intra, inter = world, net["allreduce_bus_bw"], net["allreduce_bus_bw"]
     measured: dict[str, Any] = {"p2p_bw": net["p2p_bw"], "matmul_n": matmul_n}
+    between: dict[str, Any] = {}
     if _nodes() > 1:
         links = node_links(device)
         per_node, inter = links["devices_per_node"], links["inter_bw"]
+        between = {k: links[k] for k in ("inter_exchange_bw", "inter_allgather_bw")}
         # One rank a node measures no link inside a node: the planner then needs none.
         intra = links["intra_bw"] if links["intra_bw"] is not None else inter
         measured |= {"nodes": links["nodes"], "intra_measured": links["intra_bw"] is not None}
@@ -203,6 +271,7 @@ def measure(
             "inter_bw": inter,
             "latency_s": net["latency_s"],
             "power_w": power,
+            **between,
         },
         "measured": measured,
         **calibration,
@@ -232,6 +301,12 @@ def cluster_from_dict(data: dict[str, Any]) -> Cluster:
         float(dev["inter_bw"]),
         float(dev["latency_s"]),
         float(dev["power_w"]),
+        inter_allgather_bw=tuple(
+            (float(size), float(bw)) for size, bw in dev.get("inter_allgather_bw", ())
+        ),
+        inter_exchange_bw=tuple(
+            (float(size), float(bw)) for size, bw in dev.get("inter_exchange_bw", ())
+        ),
     )
     calibration = data.get("calibration")
     return Cluster(

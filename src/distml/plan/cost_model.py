@@ -27,12 +27,14 @@ Formulas, each from where it is published:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from distml.layout import Layout
 from distml.plan.calibration import Calibration
 from distml.plan.devices import CHIPS, DEFAULT_NETWORK, NETWORKS, Chip, Network
 from distml.plan.gpu_step import gpu_step
+from distml.plan.simulator import pipeline_step_s
 from distml.plan.spec import BYTES, ModelSpec, Training, bubble_fraction, stage_params
 
 
@@ -48,11 +50,44 @@ class Device:
     # A named GPU's kernel-level model (:mod:`distml.plan.devices`); None for a device that
     # ``distml bench`` measured, whose step the formulas (or its calibration) give.
     chip: Chip | None = None
+    # Between nodes as ``distml bench`` measured them, by size, (bytes, bytes/s) pairs:
+    # all-gathers (each rank's shard; bytes/s each rank sends), and two nodes sending each
+    # other messages at once (each way's bytes/s). Empty: at ``inter_bw``, both ways at once.
+    inter_allgather_bw: tuple[tuple[float, float], ...] = ()
+    inter_exchange_bw: tuple[tuple[float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("inter_allgather_bw", "inter_exchange_bw"):
+            points = getattr(self, name)
+            sizes = [size for size, _ in points]
+            if any(v <= 0 for pair in points for v in pair) or sizes != sorted(set(sizes)):
+                raise ValueError(f"{name}: (bytes, bytes/s) pairs, positive, by growing size")
 
     @property
     def gloo(self) -> bool:
         """CPU workers, whose collectives run on gloo (``distml bench`` names a CPU "cpu")."""
         return self.name == "cpu"
+
+    def allgather_bw(self, shard_bytes: float) -> float:
+        """Bytes/s each rank sends in all-gathers of ``shard_bytes`` a rank between nodes."""
+        return _at_size(self.inter_allgather_bw, shard_bytes, self.inter_bw)
+
+    def exchange_bw(self, message_bytes: float) -> float:
+        """Bytes/s each way while two nodes send each other ``message_bytes`` at once."""
+        return _at_size(self.inter_exchange_bw, message_bytes, self.inter_bw)
+
+
+def _at_size(points: tuple[tuple[float, float], ...], size: float, default: float) -> float:
+    """The measured rate at ``size``: linear in the logarithm of the size between two measured
+    sizes, the nearest one's outside them; ``default`` where none was measured."""
+    if not points:
+        return default
+    if size <= points[0][0]:
+        return points[0][1]
+    for (s0, b0), (s1, b1) in zip(points, points[1:], strict=False):
+        if size <= s1:
+            return b0 + math.log(size / s0) / math.log(s1 / s0) * (b1 - b0)
+    return points[-1][1]
 
 
 def named_device(chip: Chip) -> Device:
@@ -293,13 +328,35 @@ def predict(model: ModelSpec, cluster: Cluster, training: Training, layout: Layo
         # and copies on the cores the backward pass computes on, and benchmarks/network.py
         # finds most of DDP's all-reduce time in the step there (BENCHMARKS.md, slow links).
         critical_s = comm.get("tp_all_reduce", 0.0) / tp_bw + comm.get("pp_send_recv", 0.0) / dp_bw
-        dp_s = sum(v for k, v in comm.items() if k.startswith("dp_")) / dp_bw
+        # FSDP gathers a block a collective, and between nodes an all-gather of that size moves
+        # at the rate distml bench measured for it.
+        shard = BYTES[training.precision] * model.layer_weights / layout.tp / d
+        gather_bw = dp_bw if one_node else device.allgather_bw(shard)
+        dp_s = (
+            comm.get("dp_all_gather", 0.0) / gather_bw
+            + sum(v for k, v in comm.items() if k.startswith("dp_") and k != "dp_all_gather")
+            / dp_bw
+        )
         overlap = training.dp_overlap and not device.gloo
         backward_s = compute_s * (0.75 if training.recompute == "full" else 2 / 3) * overlap
         dp_exposed_s = max(0.0, dp_s - backward_s)
         comm_s = critical_s + dp_s
         exposed_s = critical_s + dp_exposed_s
         step = (compute_s + exposed_s) / (1 - bubble)
+        if (
+            layout.pp > 1
+            and layout.schedule == "1f1b"
+            and not one_node
+            and device.inter_exchange_bw
+        ):
+            # Stages on other nodes, whose link distml bench measured both ways at once:
+            # torch's 1F1B with its transfers, which overlap where the link carries both ways.
+            micro_s = (compute_s + comm.get("tp_all_reduce", 0.0) / tp_bw) / m
+            message = comm["pp_send_recv"] / (2 * m)
+            pipeline_s = pipeline_step_s(layout.pp, m, micro_s / 3, 2 * micro_s / 3, message,
+                                         device.inter_bw, device.exchange_bw(message))  # fmt: skip
+            step = pipeline_s + dp_exposed_s / (1 - bubble)
+            exposed_s = step * (1 - bubble) - compute_s
     calibration = cluster.calibration
     if calibration is not None and calibration.describes(model, training, cluster.devices):
         measured = calibration.step(model, training, layout, m)

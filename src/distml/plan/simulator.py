@@ -86,6 +86,148 @@ def simulate_pipeline(
     return tasks
 
 
+# A transfer between neighbouring stages: ("f" activations / "b" gradients, sender, micro-batch).
+_Transfer = tuple[str, int, int]
+
+
+def _torch_1f1b(stage: int, p: int, m: int, forward_s: float, backward_s: float) -> list[tuple]:
+    """One stage's program under torch.distributed.pipelining's ``Schedule1F1B``: ``("compute",
+    seconds)``, ``("fire", transfers)`` (posts its sends or receives) and ``("wait",
+    transfers)``. Warm-up forwards, each send waited on before the next is posted; then each
+    backward's receive posted with the last forward's send and waited on together, and each
+    forward's receive with the last backward's send; the cool-down backwards."""
+    first, last = stage == 0, stage == p - 1
+
+    def fwd(i: int, sender: int) -> list[_Transfer]:
+        return [("f", sender, i)] if 0 <= sender < p - 1 else []
+
+    def bwd(i: int, sender: int) -> list[_Transfer]:
+        return [("b", sender, i)] if 0 < sender < p else []
+
+    ops: list[tuple] = []
+
+    def fire_and_wait(transfers: list[_Transfer]) -> None:
+        ops.extend([("fire", transfers), ("wait", transfers)])
+
+    warmup = min(m, p - stage)
+    sending: list[_Transfer] = []
+    sends: list[_Transfer] = []
+    f = b = 0
+    for _ in range(warmup):
+        fire_and_wait(fwd(f, stage - 1))
+        ops.append(("compute", forward_s))
+        ops.append(("wait", sending))
+        sends, sending = fwd(f, stage), []
+        if f != warmup - 1:
+            ops.append(("fire", sends))
+            sending, sends = sends, []
+        f += 1
+    while True:
+        fire_and_wait(sends + ([] if last else bwd(b, stage + 1)))
+        ops.append(("compute", backward_s))
+        sends = bwd(b, stage)
+        b += 1
+        if f == m:
+            break
+        fire_and_wait(sends + ([] if first else fwd(f, stage - 1)))
+        ops.append(("compute", forward_s))
+        sends = fwd(f, stage)
+        f += 1
+    ops.append(("fire", sends))
+    sending = sends
+    while b < m:
+        fire_and_wait(bwd(b, stage + 1))
+        ops.append(("compute", backward_s))
+        ops.append(("wait", sending))
+        sending = bwd(b, stage)
+        ops.append(("fire", sending))
+        b += 1
+    ops.append(("wait", sending))
+    return ops
+
+
+def pipeline_step_s(
+    p: int,
+    m: int,
+    forward_s: float,
+    backward_s: float,
+    message_bytes: float = 0.0,
+    bandwidth: float = math.inf,
+    exchange_bandwidth: float | None = None,
+) -> float:
+    """Seconds of one 1F1B step as torch's ``Schedule1F1B`` runs it, with ``message_bytes`` sent
+    between neighbouring stages for every micro-batch each way (activations forward, their
+    gradients back).
+
+    A transfer starts once its sender and its receiver have both posted it (gloo meets them
+    so) and the link is free that way; it moves at ``bandwidth``, or at ``exchange_bandwidth``
+    (each way) while the link carries the other way too: a slow link with a shallow queue
+    shares its rate between the two (BENCHMARKS.md, slow links). None: full duplex. Without
+    transfers this is the schedule's ``(m + p - 1) (F + B)``."""
+    both_ways = bandwidth if exchange_bandwidth is None else exchange_bandwidth
+    programs = [_torch_1f1b(s, p, m, forward_s, backward_s) for s in range(p)]
+    cursor = [0] * p
+    busy_until = [0.0] * p
+    waiting: list[list[_Transfer]] = [[] for _ in range(p)]
+    posted: dict[_Transfer, int] = {}  # sides that posted it (2: both)
+    queued: dict[tuple[int, str], list[_Transfer]] = {}  # (link, way): waiting for the link
+    moving: dict[tuple[int, str], list] = {}  # (link, way): [transfer, bytes left]
+    done: set[_Transfer] = set()
+    now = 0.0
+    while True:
+        progressed = True
+        while progressed:  # every stage as far as it goes without time passing
+            progressed = False
+            for s in range(p):
+                if busy_until[s] > now or not all(t in done for t in waiting[s]):
+                    continue
+                waiting[s] = []
+                if cursor[s] == len(programs[s]):
+                    continue
+                op, arg = programs[s][cursor[s]]
+                cursor[s] += 1
+                progressed = True
+                if op == "compute":
+                    busy_until[s] = now + arg
+                elif op == "wait":
+                    waiting[s] = list(arg)
+                else:
+                    for transfer in arg:
+                        posted[transfer] = posted.get(transfer, 0) + 1
+                        if posted[transfer] == 2:
+                            way, sender, _ = transfer
+                            link = sender if way == "f" else sender - 1
+                            queued.setdefault((link, way), []).append(transfer)
+        for key, line in queued.items():
+            while line and key not in moving:
+                transfer = line.pop(0)
+                if message_bytes > 0 and bandwidth < math.inf:
+                    moving[key] = [transfer, message_bytes]
+                else:  # nothing to move, or no time to move it in
+                    done.add(transfer)
+        if any(all(t in done for t in waiting[s]) and waiting[s] for s in range(p)):
+            continue  # a stage can go on at once
+        if not moving and all(
+            cursor[s] == len(programs[s]) and not waiting[s] and busy_until[s] <= now
+            for s in range(p)
+        ):
+            return now
+        rates = {
+            (link, way): both_ways if (link, "b" if way == "f" else "f") in moving else bandwidth
+            for link, way in moving
+        }
+        ends = [t for t in busy_until if t > now]
+        ends += [now + left / rates[key] for key, (_, left) in moving.items()]
+        if not ends:
+            raise RuntimeError("the schedule deadlocked")  # a bug in _torch_1f1b
+        step_to = min(ends)
+        for key in list(moving):
+            moving[key][1] -= (step_to - now) * rates[key]
+            if moving[key][1] <= 1e-9 * message_bytes:
+                done.add(moving.pop(key)[0])
+        now = step_to
+
+
 def bubble_of(tasks: list[Task], p: int) -> float:
     """Share of stage time spent idle within the step."""
     makespan = max(t.end for t in tasks)

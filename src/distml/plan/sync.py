@@ -17,7 +17,9 @@ each way on every link; see :mod:`distml.comm.collectives`):
 A step then takes what it takes on a fast link plus what its bytes add at the slower one
 (:func:`step_seconds`): the compute and the local work do not change with the link. Give it the
 links' bandwidth as ``distml bench --nnodes`` measures it (a collective over a slow link moves
-less than the line rate); :func:`line_rate_bytes` is the best a rate alone can say. Strategies
+less than the line rate), each collective at its own (gloo's all-gather
+of a block reached 0.5-0.85 of its all-reduce's rate on the shaped links of BENCHMARKS.md);
+:func:`line_rate_bytes` is the best a rate alone can say. Strategies
 that change the optimisation (PowerSGD's approximation, Local SGD's drift) need more steps to a
 given loss; :func:`choose` ranks them by predicted *time to the target*, steps x seconds, with
 the steps from a short measured probe of each strategy's loss curve, or, where nothing was
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distml.config import StrategyConfig
+from distml.plan.simulator import pipeline_step_s
 
 # TCP/IPv4 with timestamps carries 1448 payload bytes in every 1514-byte Ethernet frame: what
 # a shaped link's rate counts includes the headers.
@@ -133,7 +136,7 @@ AUTO_SYNCS: tuple[Sync, ...] = (
 )
 
 
-def wire_bytes_per_step(
+def wire_bytes_by_collective(
     sync: Sync,
     shapes: Sequence[Sequence[int]],
     ranks: int,
@@ -141,8 +144,9 @@ def wire_bytes_per_step(
     steps: int,
     boundary_activation_bytes: float = 0.0,
     gloo: bool = False,
-) -> float:
-    """Bytes a step waits for on each rank's link (the mean over ``steps`` steps): what a ring
+) -> dict[str, float]:
+    """Bytes a step waits for on each rank's link (the mean over ``steps`` steps), by
+    collective (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``send_recv``): what a ring
     sends from each rank (both directions of every link busy at once), or a pipeline's
     transfers end to end.
 
@@ -152,20 +156,46 @@ def wire_bytes_per_step(
     params = sum(math.prod(s) for s in shapes)
     full = _ring(ranks) * FP32 * params
     if sync.name == "ddp":
-        return full
+        return {"all_reduce": full}
     if sync.name == "ddp-fp16":
-        return full / 2
+        return {"all_reduce": full / 2}
     if sync.name == "powersgd":
         plain = min(sync.start_iter, steps)
         compressed = _ring(ranks) * FP32 * powersgd_elements(shapes, sync.rank)
-        return (plain * full + (steps - plain) * compressed) / steps
+        return {"all_reduce": (plain * full + (steps - plain) * compressed) / steps}
     if sync.name in ("local-sgd", "diloco"):
-        return full / sync.every
-    if sync.name == "fsdp":
-        return (2.0 if gloo else 1.5) * full
+        return {"all_reduce": full / sync.every}
+    if sync.name == "fsdp":  # two all-gathers of (N-1)/N x 4P each
+        return {"all_gather": full} | (
+            {"all_reduce": full} if gloo else {"reduce_scatter": full / 2}
+        )
     if sync.name == "pipeline":
-        return 2 * boundary_activation_bytes
+        return {"send_recv": 2 * boundary_activation_bytes}
     raise ValueError(f"unknown synchronisation {sync.name!r}")
+
+
+def wire_bytes_per_step(
+    sync: Sync,
+    shapes: Sequence[Sequence[int]],
+    ranks: int,
+    *,
+    steps: int,
+    boundary_activation_bytes: float = 0.0,
+    gloo: bool = False,
+) -> float:
+    """All the bytes of :func:`wire_bytes_by_collective`."""
+    return sum(
+        wire_bytes_by_collective(
+            sync, shapes, ranks, steps=steps,
+            boundary_activation_bytes=boundary_activation_bytes, gloo=gloo,
+        ).values()
+    )  # fmt: skip
+
+
+def link_seconds(wire: Mapping[str, float], bandwidth: Mapping[str, float]) -> float:
+    """Seconds the bytes of :func:`wire_bytes_by_collective` take on a link whose collectives
+    move ``bandwidth[name]`` bytes/s (the all-reduce's for a collective it has no figure for)."""
+    return sum(n / bandwidth.get(name, bandwidth["all_reduce"]) for name, n in wire.items())
 
 
 def line_rate_bytes(rate_bits: float) -> float:
@@ -173,10 +203,49 @@ def line_rate_bytes(rate_bits: float) -> float:
     return rate_bits / 8 * TCP_PAYLOAD_FRACTION
 
 
-def step_seconds(base_step_s: float, wire_bytes: float, base_bw: float, bw: float) -> float:
-    """A step's seconds on a link of ``bw`` bytes/s, from one measured on a link of ``base_bw``:
-    the link's share grows by what the bytes take at the slower rate; the rest stays."""
-    return base_step_s + wire_bytes * (1 / bw - 1 / base_bw)
+def step_seconds(
+    base_step_s: float,
+    wire: Mapping[str, float],
+    base_bw: Mapping[str, float],
+    bw: Mapping[str, float],
+) -> float:
+    """A step's seconds on a link whose collectives move ``bw[name]`` bytes/s, from one measured
+    on a link of ``base_bw``: the link's share grows by what the bytes of each collective
+    (:func:`wire_bytes_by_collective`) take at the slower rate; the rest stays."""
+    return base_step_s + link_seconds(wire, bw) - link_seconds(wire, base_bw)
+
+
+def pipeline_step_seconds(
+    base_step_s: float,
+    stages: int,
+    micro: int,
+    message_bytes: float,
+    base_bw: Mapping[str, float],
+    bw: Mapping[str, float],
+) -> float:
+    """A 1F1B step's seconds on a link of ``bw``, from one measured on a link of ``base_bw``:
+    torch's schedule with its transfers (:func:`distml.plan.simulator.pipeline_step_s`,
+    ``message_bytes`` a micro-batch each way), each micro-batch's forward and backward (twice
+    the forward) set so that the schedule takes ``base_step_s`` on the base link. A link's
+    ``send_recv`` rate is one way's (the all-reduce's where it has none), ``exchange`` each
+    way's while both carry (one way's where it has none).
+
+    Transfers end to end, as :func:`step_seconds` charges them, are right only where the two
+    ways share the link's rate; where the link carries both at once, micro-batches' transfers
+    overlap each other and the other stage's compute."""
+
+    def step(links: Mapping[str, float], forward_s: float) -> float:
+        one_way = links.get("send_recv", links["all_reduce"])
+        both = min(links.get("exchange", one_way), one_way)
+        return pipeline_step_s(
+            stages, micro, forward_s, 2 * forward_s, message_bytes, one_way, both
+        )
+
+    low, high = 0.0, base_step_s  # the step grows with the compute: bisect for it
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if step(base_bw, mid) < base_step_s else (low, mid)
+    return step(bw, low)
 
 
 def sync_of(strategy: StrategyConfig) -> Sync:
