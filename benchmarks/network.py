@@ -299,8 +299,31 @@ def _report(results: dict[str, Any], names: list[str]) -> None:
         ["strategy", *rates, "steps to target", f"loss at {2 * results['args']['steps']}"],
         rows,
     )
+    _links(results.get("clusters", {}), rates)
     _plot(results, names, rates)
     _predictions(results, names, rates)
+
+
+def _links(clusters: dict[str, dict[str, Any]], rates: list[str]) -> None:
+    """What distml bench measured between the hosts at each rate, MB/s."""
+    measured = [rate for rate in rates if rate in clusters]
+    if not measured:
+        return
+    rows = []
+    for rate in measured:
+        dev = clusters[rate]["device"]
+        sized = [
+            f"{bw / 1e6:.2f} at {size / 2**20:g} MiB"
+            for key in ("inter_allgather_bw", "inter_exchange_bw")
+            for size, bw in dev.get(key, ())
+        ]
+        rows.append([rate, f"{dev['inter_bw'] / 1e6:.2f}", ", ".join(sized) or "-"])
+    print_table(
+        "the links as distml bench measured them (MB/s): all-reduce; all-gathers by shard, "
+        "then both ways at once by message",
+        ["rate", "all-reduce", "all-gather, both ways"],
+        rows,
+    )
 
 
 def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) -> None:

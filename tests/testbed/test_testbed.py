@@ -186,6 +186,22 @@ def test_fsdp_across_two_shaped_hosts_reports_the_time_it_waits_on_the_link(
 @pytest.mark.netns
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
+def test_powersgd_across_two_shaped_hosts_reports_the_time_its_hook_waits_on_the_link(
+    testbed_factory, tmp_path
+):
+    """On gloo distml's PowerSGD hook finishes a bucket's collectives before it returns, holding
+    the backward pass: that wait is communication, at least what the bytes take at the line
+    rate (the first two steps send whole gradients, the rest low-rank factors)."""
+    bed = testbed_factory(2, "50mbit")
+    options = ("--set", "strategy.compression=powersgd", "--set", "strategy.powersgd_rank=2")
+    summary = train_across_two_hosts(bed, tmp_path, "compressed", 29536, options, steps=4)
+    at_link_rate = summary["wire_bytes"]["all_reduce"] / line_rate_bytes(bed.rate_bits)
+    assert summary["comm_s"] >= 0.8 * at_link_rate, (summary, at_link_rate)
+
+
+@pytest.mark.netns
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
 def test_bench_across_two_hosts_measures_the_shaped_link_and_the_node_apart(
     testbed_factory, tmp_path
 ):

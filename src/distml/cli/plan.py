@@ -302,9 +302,15 @@ def bench(
         f" GB/s, latency {dev['latency_s'] * 1e6:.0f} us -> {out}"
     )
     if nnodes > 1:
+
+        def by_size(key: str) -> str:
+            return ", ".join(f"{bw / 1e6:.1f} at {size / 2**20:g} MiB" for size, bw in dev[key])
+
         Console().print(
             f"{nnodes} nodes x {result['devices_per_node']}: between nodes "
-            f"{dev['inter_bw'] / 1e6:.1f} MB/s, inside a node {dev['intra_bw'] / 1e6:.1f} MB/s"
+            f"{dev['inter_bw'] / 1e6:.1f} MB/s, inside a node {dev['intra_bw'] / 1e6:.1f} MB/s; "
+            f"between nodes all-gathers {by_size('inter_allgather_bw')} a shard, both ways at "
+            f"once {by_size('inter_exchange_bw')} a message (MB/s)"
         )
     if gpt is not None:
         cal = result["calibration"]

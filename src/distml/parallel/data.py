@@ -9,6 +9,7 @@ the step recorder, so ``comm_bytes`` counts what was actually sent.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -56,8 +57,14 @@ def _bucket_payload(state: _AccountedState, bucket: dist.GradBucket, hook: Calla
     return result
 
 
-def choose_hook(cfg: StrategyConfig, group: dist.ProcessGroup | None) -> tuple[Callable, Any]:
-    """The DDP communication hook ``cfg`` asks for over ``group``, and its state."""
+def choose_hook(
+    cfg: StrategyConfig,
+    group: dist.ProcessGroup | None,
+    waited: Callable[[float], None] | None = None,
+) -> tuple[Callable, Any]:
+    """The DDP communication hook ``cfg`` asks for over ``group``, and its state. ``waited``
+    hears the seconds a hook that finishes its collectives before it returns (PowerSGD on gloo)
+    blocked the backward pass waiting for them."""
     if cfg.compression == "fp16":
         return default_hooks.fp16_compress_hook, group
     if cfg.compression == "bf16":
@@ -69,11 +76,15 @@ def choose_hook(cfg: StrategyConfig, group: dist.ProcessGroup | None) -> tuple[C
             start_powerSGD_iter=cfg.powersgd_start_iter,
         )
         hook = powersgd.powerSGD_hook
-        return (_one_bucket_at_a_time(hook) if dist.get_backend(group) == "gloo" else hook), state
+        if dist.get_backend(group) == "gloo":
+            hook = _one_bucket_at_a_time(hook, waited)
+        return hook, state
     return default_hooks.allreduce_hook, group
 
 
-def _one_bucket_at_a_time(hook: Callable) -> Callable:
+def _one_bucket_at_a_time(
+    hook: Callable, waited: Callable[[float], None] | None = None
+) -> Callable:
     """PowerSGD issues a bucket's second and third all-reduce from the callback of the one
     before. gloo matches collectives across ranks by the order they are issued in, and the
     callbacks of two buckets race, so with several buckets the ranks can issue them in different
@@ -83,7 +94,10 @@ def _one_bucket_at_a_time(hook: Callable) -> Callable:
 
     def in_order(state, bucket):  # noqa: ANN001, ANN202  (DDP checks the hook's annotations)
         future = hook(state, bucket)
+        start = time.perf_counter()
         future.wait()
+        if waited is not None:
+            waited(time.perf_counter() - start)
         return future
 
     return in_order
@@ -97,6 +111,8 @@ class Accounting(Protocol):
     def add_comm(self, collective: str, nbytes: int, wire_bytes: int) -> None: ...
 
     def add_sync_wait(self, seconds: float) -> None: ...
+
+    def add_exposed(self, seconds: float) -> None: ...
 
 
 class DataParallel(TrainingStrategy):
@@ -148,7 +164,9 @@ def apply_ddp(
         wire = ring_wire_bytes("all_reduce", nbytes, world)
         return ddp, lambda: accounting.add_comm("all_reduce", nbytes, wire)
 
-    hook, inner = choose_hook(cfg, group)
+    # A hook that waits for its collectives holds the backward pass meanwhile: that wait is
+    # communication the step is exposed to, which the end of backward alone would not show.
+    hook, inner = choose_hook(cfg, group, waited=accounting.add_exposed)
     state = _AccountedState(inner, accounting, world, cfg.compression)
 
     # No annotations here: DDP checks them, and this module's postponed (string) annotations

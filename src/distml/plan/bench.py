@@ -121,10 +121,10 @@ def node_links(
     Between nodes only a large message (``inter_mb`` MiB) counts for the all-reduce: a
     rate-limited link lets a burst through at once (a token bucket's, a switch's buffer), so a
     small message can measure more than the line rate, which no gradient bucket sees. Between
-    nodes there are two more figures, for the collectives that move differently from an
-    all-reduce: all-gathers by shard size (``inter_allgather_bw``: (bytes, bytes/s) pairs), and
-    two nodes sending to each other at once (``inter_exchange_bw``, each way), in bursts of
-    several messages as FSDP and a pipeline send them."""
+    nodes there are two more figures, for the transfers that move differently from an
+    all-reduce, each as (bytes, bytes/s) pairs by size: all-gathers by shard
+    (``inter_allgather_bw``), and the first two nodes sending each other messages at once
+    (``inter_exchange_bw``, each way), in bursts of several as FSDP and a pipeline send them."""
     world, rank = dist.get_world_size(), dist.get_rank()
     nodes = _nodes()
     local = world // nodes
