@@ -174,22 +174,9 @@ def wire_bytes_by_collective(
     raise ValueError(f"unknown synchronisation {sync.name!r}")
 
 
-def wire_bytes_per_step(
-    sync: Sync,
-    shapes: Sequence[Sequence[int]],
-    ranks: int,
-    *,
-    steps: int,
-    boundary_activation_bytes: float = 0.0,
-    gloo: bool = False,
-) -> float:
-    """All the bytes of :func:`wire_bytes_by_collective`."""
-    return sum(
-        wire_bytes_by_collective(
-            sync, shapes, ranks, steps=steps,
-            boundary_activation_bytes=boundary_activation_bytes, gloo=gloo,
-        ).values()
-    )  # fmt: skip
+def wire_bytes_per_step(*args: Any, **kwargs: Any) -> float:
+    """All the bytes of :func:`wire_bytes_by_collective` (which takes the same arguments)."""
+    return sum(wire_bytes_by_collective(*args, **kwargs).values())
 
 
 def link_seconds(wire: Mapping[str, float], bandwidth: Mapping[str, float]) -> float:
