@@ -241,8 +241,8 @@ def main() -> dict[str, Any]:
         for rate in args.rates.split(","):
             with Testbed(2, rate) as bed:
                 clusters[rate] = link_cluster(bed, runs, args.timeout)
-                print(f"{rate:>8} link: {bandwidth(clusters, rate) / 1e6:.2f} MB/s measured",
-                      flush=True)  # fmt: skip
+                inter = clusters[rate]["device"]["inter_bw"]
+                print(f"{rate:>8} link: {inter / 1e6:.2f} MB/s measured", flush=True)
                 runs_of: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
                 for repeat in range(0 if args.links_only else args.repeats):
                     for name in names:  # interleaved: a slow spell of the machine hits all
@@ -339,6 +339,7 @@ def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) ->
     shard = 4 * sum(p.numel() for p in next(iter(model.blocks.values())).parameters()) / 2
     base = rates[0]
     clusters = results.get("clusters", {})
+    links = {r: bandwidths(clusters, r, shard, boundary / MICROBATCHES) for r in rates}
     rows, errors = [], []
     for name in names:
         wire = wire_bytes_by_collective(SYNCS[name], shapes, 2, steps=10**6, gloo=True,
@@ -347,12 +348,11 @@ def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) ->
         for rate in rates:
             measured = results["rates"][rate][name]["step_s"]
             base_s = results["rates"][base][name]["step_s"]
-            links = [bandwidths(clusters, r, shard, boundary / MICROBATCHES) for r in (base, rate)]
             if name == "pipeline":
-                predicted = pipeline_step_seconds(base_s, 2, MICROBATCHES,
-                                                  boundary / MICROBATCHES, *links)  # fmt: skip
+                predicted = pipeline_step_seconds(base_s, 2, MICROBATCHES, boundary / MICROBATCHES,
+                                                  links[base], links[rate])  # fmt: skip
             else:
-                predicted = step_seconds(base_s, wire, *links)
+                predicted = step_seconds(base_s, wire, links[base], links[rate])
             results["rates"][rate][name]["predicted_step_s"] = predicted
             error = measured / predicted - 1  # samples/s: predicted over measured, minus 1
             if rate != base:
@@ -407,11 +407,6 @@ def auto_choice(cluster: dict[str, Any], hook_s: dict[str, float] | None) -> str
     if layout.pp == 2:
         return "pipeline"
     return str(layout)
-
-
-def bandwidth(clusters: dict[str, dict[str, Any]], rate: str) -> float:
-    measured = clusters.get(rate)
-    return measured["device"]["inter_bw"] if measured else line_rate_bytes(rate_bits(rate))
 
 
 def bandwidths(

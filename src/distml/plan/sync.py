@@ -17,9 +17,9 @@ each way on every link; see :mod:`distml.comm.collectives`):
 A step then takes what it takes on a fast link plus what its bytes add at the slower one
 (:func:`step_seconds`): the compute and the local work do not change with the link. Give it the
 links' bandwidth as ``distml bench --nnodes`` measures it (a collective over a slow link moves
-less than the line rate), each collective at its own (gloo's all-gather
-of a block reached 0.5-0.85 of its all-reduce's rate on the shaped links of BENCHMARKS.md);
-:func:`line_rate_bytes` is the best a rate alone can say. Strategies
+less than the line rate), each collective at its own (gloo's all-gather of a block reached
+0.4-0.9 of its all-reduce's rate on the shaped links of BENCHMARKS.md); :func:`line_rate_bytes`
+is the best a rate alone can say. Strategies
 that change the optimisation (PowerSGD's approximation, Local SGD's drift) need more steps to a
 given loss; :func:`choose` ranks them by predicted *time to the target*, steps x seconds, with
 the steps from a short measured probe of each strategy's loss curve, or, where nothing was
