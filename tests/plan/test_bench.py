@@ -79,3 +79,4 @@ def test_a_broken_cluster_file_is_refused(tmp_path):
     (tmp_path / "bad.toml").write_text("devices = 2\n[device]\nname = 'x'\n")
     out = CliRunner().invoke(app, ["plan", *MODEL, "--cluster", str(tmp_path / "bad.toml")])
     assert out.exit_code == 2 and "cluster file" in out.output
+    assert out.output.count("bad.toml") == 1, out.output  # named once

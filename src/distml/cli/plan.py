@@ -47,14 +47,17 @@ def _read_cluster(path: Path) -> Cluster:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         fail_usage(f"cluster file {path}: {exc}")
-    try:
-        if is_description(data):
+    if is_description(data):
+        try:
             return cluster_from_description(data)
-        from distml.plan.bench import read_cluster_file  # imports torch: only when needed
+        except ValueError as exc:
+            fail_usage(f"cluster file {path}: {exc}")
+    from distml.plan.bench import read_cluster_file  # imports torch: only when needed
 
+    try:
         return read_cluster_file(path)
-    except ValueError as exc:
-        fail_usage(f"cluster file {path}: {exc}")
+    except ValueError as exc:  # its message names the file
+        fail_usage(str(exc))
 
 
 def _sync_options(best: list[Prediction], model: ModelSpec, cluster: Cluster) -> list[Option]:
