@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from distml.cli.main import app
@@ -63,6 +64,7 @@ def test_simulate_draws_the_timeline_and_reports_the_bubble(tmp_path):
     assert bad.exit_code == 2 and "unknown schedule" in bad.output
 
 
+@pytest.mark.distributed  # PowerSGD's hook is probed in a process of its own
 def test_the_replicas_synchronise_fastest_to_a_loss_on_the_measured_link(tmp_path):
     """On a CPU cluster joined by a 1 MB/s link, any lighter synchronisation beats DDP's
     all-reduce of the GPT's 3.5 MB of gradients; the table ranks by time to a loss."""
@@ -73,12 +75,26 @@ def test_the_replicas_synchronise_fastest_to_a_loss_on_the_measured_link(tmp_pat
     args = ["plan", *gpt, "--global-batch", "16", "--cluster", str(slow), "--precision", "fp32"]
     out = CliRunner().invoke(app, [*args, "--json"])
     assert out.exit_code == 0, out.output
-    syncs = json.loads(out.output)["syncs"]
+    syncs = json.loads(out.stdout)["syncs"]
     assert {s["sync"] for s in syncs} == {
         "ddp", "ddp-fp16", "powersgd-r2", "powersgd-r8", "local-sgd", "diloco"
     }  # fmt: skip
     to_loss = [s["step_time_s"] * s["steps_factor"] for s in syncs]
     assert to_loss == sorted(to_loss) and syncs[-1]["sync"] == "ddp"
     assert all(s["layout"]["dp"] == 2 for s in syncs)
+    # PowerSGD's own work on these CPU workers, measured here as --strategy auto measures it.
+    assert all((s["hook_s"] > 0) == s["sync"].startswith("powersgd") for s in syncs)
     text = CliRunner().invoke(app, args).output
     assert "synchronising the replicas of" in text and "powersgd-r2" in text
+    assert "hook s: the seconds a step PowerSGD's own work took on this machine" in text
+
+
+def test_a_model_too_large_to_probe_is_planned_without_its_hooks_work(tmp_path):
+    from test_auto import cluster_file
+
+    cpu = cluster_file(tmp_path / "cpu.toml", 1e12)
+    gpt = ["--layers", "12", "--hidden", "1024", "--heads", "16", "--seq", "64", "--vocab", "256"]
+    out = CliRunner().invoke(app, ["plan", *gpt, "--global-batch", "16", "--cluster", str(cpu)])
+    assert out.exit_code == 0, out.output
+    assert "PowerSGD's own work is not measured for 1.51e+08 parameters" in out.output
+    assert "powersgd-r2" in out.output and "hook s" not in out.output

@@ -457,7 +457,7 @@ def _planned_config(
     that many stages, say) gives way to the next best."""
     from distml.config import GPTConfig
     from distml.launch.elastic import worker_threads
-    from distml.plan.auto import choose_layout, gpt_params, hook_costs, plan_record
+    from distml.plan.auto import choose_layout, gpt_params, gpt_shapes, hook_costs, plan_record
     from distml.plan.bench import read_cluster_file
     from distml.plan.cost_model import Cluster
     from distml.plan.sync import AUTO_SYNCS, DDP, sync_of
@@ -479,7 +479,7 @@ def _planned_config(
     user_sync = bool(SYNC_FIELDS & cfg.strategy.model_fields_set)  # from the file or --set
     syncs = (sync_of(cfg.strategy),) if user_sync else AUTO_SYNCS
     try:
-        hook_s = hook_costs(model, syncs, measured.device, worker_threads(cfg.nproc))
+        hook_s = hook_costs(gpt_shapes(model), syncs, measured.device, worker_threads(cfg.nproc))
     except RuntimeError as exc:  # the plan goes on, charging PowerSGD its bytes alone
         err.print(f"--strategy auto: {exc}", highlight=False, markup=False)
         hook_s = {}

@@ -60,15 +60,46 @@ def _read_cluster(path: Path) -> Cluster:
         fail_usage(str(exc))
 
 
-def _sync_options(best: list[Prediction], model: ModelSpec, cluster: Cluster) -> list[Option]:
+def _sync_options(
+    best: list[Prediction], model: ModelSpec, cluster: Cluster, console: Console
+) -> tuple[list[Option], dict[str, float]]:
     """The fastest layout of replicas alone among ``best``, under each way to synchronise
-    them, fastest to a loss first (none without such a layout)."""
+    them, fastest to a loss first (none without such a layout); and the hooks' own seconds a
+    step they were charged, by label. On CPU workers (a cluster file ``distml bench`` measured
+    on them) PowerSGD's own work is measured on this machine, as ``distml run --strategy
+    auto`` measures it."""
     replicas = next((p for p in best if is_replicas(p.layout)), None)
     if replicas is None:
-        return []
-    options = sync_options(replicas, AUTO_SYNCS, model.weight_shapes(), gloo=cluster.device.gloo,
-                           latency_s=cluster.device.latency_s)  # fmt: skip
-    return sorted(options, key=lambda o: o.time_to_loss_s)
+        return [], {}
+    shapes = model.weight_shapes()
+    hook_s = _hook_costs(shapes, model, cluster, console)
+    options = sync_options(replicas, AUTO_SYNCS, shapes, gloo=cluster.device.gloo,
+                           latency_s=cluster.device.latency_s, hook_s=hook_s)  # fmt: skip
+    return sorted(options, key=lambda o: o.time_to_loss_s), hook_s
+
+
+def _hook_costs(
+    shapes: list[tuple[int, ...]], model: ModelSpec, cluster: Cluster, console: Console
+) -> dict[str, float]:
+    """PowerSGD's own seconds a step on CPU workers of ``cluster`` (none elsewhere); a model
+    too large to probe, or a probe that fails, leaves them out, and says so on stderr."""
+    if not cluster.device.gloo:
+        return {}
+    from distml.plan.hook_probe import PROBE_MAX_PARAMS
+
+    if model.n_params > PROBE_MAX_PARAMS:
+        console.print(f"PowerSGD's own work is not measured for {model.n_params:.3g} "
+                      f"parameters (the probe's limit: {PROBE_MAX_PARAMS:.3g})")  # fmt: skip
+        return {}
+    from distml.launch.elastic import worker_threads
+    from distml.plan.auto import hook_costs
+
+    threads = worker_threads(cluster.devices_per_node)
+    try:
+        return hook_costs(shapes, AUTO_SYNCS, cluster.device, threads)
+    except RuntimeError as exc:  # the plan goes on, charging PowerSGD its bytes alone
+        console.print(str(exc), highlight=False, markup=False)
+        return {}
 
 
 def plan(
@@ -168,7 +199,7 @@ def plan(
             best, rejected = rank_layouts(model, cluster, training, rank_by)
     except ValueError as exc:
         fail_usage(str(exc))
-    syncs = _sync_options(best, model, cluster)
+    syncs, hook_s = _sync_options(best, model, cluster, Console(stderr=True))
     if as_json:
         print(
             json.dumps(
@@ -176,7 +207,12 @@ def plan(
                     "layouts": [_row(p) for p in best],
                     "rejected": [_row(p) for p in rejected],
                     "syncs": [
-                        {"sync": o.sync.label, "steps_factor": o.steps_factor, **_row(o.prediction)}
+                        {
+                            "sync": o.sync.label,
+                            "steps_factor": o.steps_factor,
+                            "hook_s": hook_s.get(o.sync.label, 0.0),
+                            **_row(o.prediction),
+                        }
                         for o in syncs
                     ],
                 },
@@ -210,17 +246,22 @@ def plan(
         console.print(f"{len(rejected)} layouts do not fit in {device} memory")
     if syncs:
         table = Table(title=f"synchronising the replicas of {syncs[0].layout}, fastest to a loss")
-        for col in ("sync", "step s", "exposed comm s", "steps x DDP", "time to a loss x DDP"):
+        columns = ["sync", "step s", "exposed comm s", "steps x DDP", "time to a loss x DDP"]
+        for col in columns + ["hook s"] * bool(hook_s):
             table.add_column(col)
+        if hook_s:
+            table.caption = "hook s: the seconds a step PowerSGD's own work took on this machine"
         ddp = next(o for o in syncs if o.sync.name == "ddp").time_to_loss_s
         for o in syncs:
             p = o.prediction
+            own = [f"{hook_s[o.sync.label]:.4f}" if o.sync.label in hook_s else ""]
             table.add_row(
                 o.sync.label,
                 f"{p.step_time_s:.3f}",
                 f"{p.comm_exposed_s:.3f}",
                 f"{o.steps_factor:g}",
                 f"{o.time_to_loss_s / ddp:.2f}",
+                *own * bool(hook_s),
             )
         console.print(table)
 

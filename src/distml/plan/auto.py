@@ -165,17 +165,18 @@ class Choice:
 
 
 def hook_costs(
-    cfg: GPTConfig, syncs: Sequence[Sync], device: Device, threads: int
+    shapes: Sequence[Sequence[int]], syncs: Sequence[Sync], device: Device, threads: int
 ) -> dict[str, float]:
-    """The seconds a step each PowerSGD among ``syncs`` spends on its own work, by label,
-    measured on this machine for CPU workers of ``threads`` threads (their hook's matrices and
-    bookkeeping run on the CPU that computes; none is measured for GPUs, where it is small)."""
+    """The seconds a step each PowerSGD among ``syncs`` spends on its own work on gradients of
+    ``shapes``, by label, measured on this machine for CPU workers of ``threads`` threads
+    (their hook's matrices and bookkeeping run on the CPU that computes; none is measured for
+    GPUs, where it is small)."""
     ranks = sorted({s.rank for s in syncs if s.name == "powersgd"})
     if not ranks or not device.gloo:
         return {}
     from distml.plan.hook_probe import powersgd_hook_s
 
-    return {f"powersgd-r{r}": s for r, s in powersgd_hook_s(cfg, ranks, threads).items()}
+    return {f"powersgd-r{r}": s for r, s in powersgd_hook_s(shapes, ranks, threads).items()}
 
 
 def is_replicas(layout: Layout) -> bool:
