@@ -16,9 +16,11 @@ Two measurements, because the link changes the time of a step and never its arit
 - **Time per step**, per strategy and link rate, on the testbed: ``--timed-steps`` steps, from
   the run's ``metrics.jsonl``: the first two (start-up, and PowerSGD's plain all-reduce before
   its ``start_iter``) timed apart, then the steady step, the mean of the rest (H steps, so
-  Local SGD's sync is in at its share); samples/s from the steady step. Each strategy runs
-  ``--repeats`` times at each rate, the repeats interleaved (a slow spell of a shared machine
-  hits every strategy), and the medians count.
+  Local SGD's sync is in at its share); samples/s from the steady step. One testbed, its
+  links reshaped between runs: each of ``--repeats`` repeats measures the links at every
+  rate, then runs each strategy at every rate back to back, so that a slow spell of a shared
+  machine hits every strategy, and a strategy's rates alike. The medians count: of the runs,
+  and of each link figure.
 
 Time to target = the first evaluated step at or below the target (to 1e-3, the float noise
 between layouts of the same arithmetic): the first two steps as they took, the rest at the
@@ -27,10 +29,10 @@ steady step. Since the loss per step does not depend on the link, ``--reuse`` ta
 
 Two choices are set against the best measured time to target at each rate: the planner's with
 the measured loss curves (``distml.plan.sync.choose``), and ``distml run --strategy auto``'s,
-from the cluster file ``distml bench --nnodes 2`` wrote on that link, PowerSGD's hook measured
-on this machine at one thread (``distml.plan.hook_probe``, as the run measures it) and the
-stated rule for the steps (``distml.plan.auto.choose_layout``, the very function the run
-calls).
+from the cluster files ``distml bench --nnodes 2`` wrote on that link (each figure the
+median of the repeats'), PowerSGD's hook measured on this machine at one thread
+(``distml.plan.hook_probe``, as the run measures it) and the stated rule for the steps
+(``distml.plan.auto.choose_layout``, the very function the run calls).
 
 Each worker gets the threads that let both share the cores once. Needs root, ip and tc (the
 testbed's requirements). Results: benchmarks/results/network.json and network.png.
@@ -54,7 +56,7 @@ from _common import RESULTS_DIR, machine_info, print_table, scratch_dir, write_j
 
 from distml.config import GPTConfig
 from distml.models import GPT
-from distml.plan.auto import choose_layout, gpt_params, hook_costs, is_replicas
+from distml.plan.auto import choose_layout, gpt_params, gpt_shapes, hook_costs, is_replicas
 from distml.plan.bench import cluster_from_dict
 from distml.plan.sync import (
     AUTO_SYNCS,
@@ -176,10 +178,10 @@ def timed_run(
     return summary | {"step_times": [steps[k] for k in sorted(steps)]}
 
 
-def link_cluster(bed: Testbed, runs: Path, timeout: float) -> dict[str, Any]:
+def link_cluster(bed: Testbed, runs: Path, timeout: float, repeat: int = 0) -> dict[str, Any]:
     """The cluster file ``distml bench --nnodes 2`` writes on the testbed's two hosts (its
     ``device.inter_bw``: the all-reduce bandwidth between them, bytes/s)."""
-    tag = f"bench-{bed.rate_bits:.0f}"
+    tag = f"bench-{bed.rate_bits:.0f}-{repeat}"
 
     def argv(rank: int, host) -> list[str]:
         return [
@@ -190,6 +192,70 @@ def link_cluster(bed: Testbed, runs: Path, timeout: float) -> dict[str, Any]:
 
     run_everywhere(bed, argv, runs / f"logs-{tag}", timeout, 1, runs)
     return tomllib.loads((runs / f"{tag}-0.toml").read_text())
+
+
+def measure(
+    names: list[str],
+    curves: dict[str, Any],
+    target: float,
+    args: argparse.Namespace,
+    runs: Path,
+    timed: dict[str, dict[str, Any]],
+) -> dict[str, list[dict[str, Any]]]:
+    """Every strategy at every rate, ``--repeats`` times, into ``timed`` (the medians); returns
+    each rate's cluster files, one a repeat.
+
+    One testbed whose links are reshaped between runs. Each repeat first measures the links
+    at every rate, then runs each strategy at every rate back to back: a strategy's steps at
+    the fastest rate, from which its other rates are predicted, are timed minutes from them,
+    not half an hour, so a shared machine's drift in speed between phases does not read as
+    an error of the prediction. Each repeat starts at another rate."""
+    rates = args.rates.split(",")
+    benched: dict[str, list[dict[str, Any]]] = {rate: [] for rate in rates}
+    runs_of: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    with Testbed(2, rates[0]) as bed:
+        for repeat in range(args.repeats):
+            order = rates[repeat % len(rates) :] + rates[: repeat % len(rates)]
+            for rate in order:
+                bed.shape(rate)
+                benched[rate].append(link_cluster(bed, runs, args.timeout, repeat))
+                inter = benched[rate][-1]["device"]["inter_bw"]
+                print(f"{rate:>8} link: {inter / 1e6:.2f} MB/s measured", flush=True)
+            for name in [] if args.links_only else names:
+                for rate in order:
+                    bed.shape(rate)
+                    summary = timed_run(bed, name, args, runs, repeat)
+                    times = summary["step_times"]
+                    runs_of.setdefault((rate, name), []).append({
+                        "step_s": statistics.mean(times[WARMUP:]),
+                        "warmup_s": sum(times[:WARMUP]),
+                        "comm_s": summary["comm_s"] / summary["steps"],
+                        "wire_bytes_per_step": sum(summary["wire_bytes"].values())
+                        / summary["steps"],
+                    })  # fmt: skip
+                    step_s = runs_of[rate, name][-1]["step_s"]
+                    print(f"{rate:>8} {name:<12} {GLOBAL_BATCH / step_s:8.1f} samples/s",
+                          flush=True)  # fmt: skip
+    for (rate, name), measured in runs_of.items():
+        timed.setdefault(rate, {})[name] = _medians(measured, curves[name], target)
+    return benched
+
+
+def median_figures(files: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cluster file from several of the same link: each measured figure the median of the
+    files' (a figure by size, the median at each size)."""
+
+    def median(values: list[Any]) -> Any:
+        first = values[0]
+        if isinstance(first, dict):
+            return {key: median([v[key] for v in values]) for key in first}
+        if isinstance(first, list):
+            return [median(list(column)) for column in zip(*values, strict=True)]
+        if isinstance(first, float):
+            return statistics.median(values)
+        return first  # a name or a count, the same in every file
+
+    return median(files)
 
 
 def main() -> dict[str, Any]:
@@ -205,7 +271,7 @@ def main() -> dict[str, Any]:
         "--repeats",
         type=int,
         default=3,
-        help="timed runs of each strategy at each rate, interleaved (medians)",
+        help="timed runs of each strategy at each rate, and link benches (medians)",
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
     parser.add_argument(
@@ -238,39 +304,19 @@ def main() -> dict[str, Any]:
         target = dict(curves["ddp"])[args.steps]
         timed: dict[str, dict[str, Any]] = previous["rates"]
         clusters: dict[str, dict[str, Any]] = previous.get("clusters", {})
-        for rate in args.rates.split(","):
-            with Testbed(2, rate) as bed:
-                clusters[rate] = link_cluster(bed, runs, args.timeout)
-                inter = clusters[rate]["device"]["inter_bw"]
-                print(f"{rate:>8} link: {inter / 1e6:.2f} MB/s measured", flush=True)
-                runs_of: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-                for repeat in range(0 if args.links_only else args.repeats):
-                    for name in names:  # interleaved: a slow spell of the machine hits all
-                        summary = timed_run(bed, name, args, runs, repeat)
-                        times = summary["step_times"]
-                        runs_of[name].append({
-                            "step_s": statistics.mean(times[WARMUP:]),
-                            "warmup_s": sum(times[:WARMUP]),
-                            "comm_s": summary["comm_s"] / summary["steps"],
-                            "wire_bytes_per_step": sum(summary["wire_bytes"].values())
-                            / summary["steps"],
-                        })  # fmt: skip
-                        print(f"{rate:>8} {name:<12} "
-                              f"{GLOBAL_BATCH / runs_of[name][-1]['step_s']:8.1f} samples/s",
-                              flush=True)  # fmt: skip
-                for name, measured in runs_of.items():
-                    if measured:
-                        timed.setdefault(rate, {})[name] = _medians(measured, curves[name], target)
+        benched = measure(names, curves, target, args, runs, timed)
+        clusters |= {rate: median_figures(files) for rate, files in benched.items()}
         # What `--strategy auto` charges PowerSGD's hook, measured as the run measures it,
         # at the one thread a worker computes on here.
         cpu = cluster_from_dict(next(iter(clusters.values()))).device
-        hook_s = hook_costs(GPTConfig(), AUTO_SYNCS, cpu, threads=1)
+        hook_s = hook_costs(gpt_shapes(GPTConfig()), AUTO_SYNCS, cpu, threads=1)
     results = {
         "machine": machine_info(),
         "args": vars(args),
         "target_loss": target,
         "curves": curves,
         "clusters": clusters,
+        "link_benches": previous.get("link_benches", {}) | benched,
         "hook_s": hook_s,
         "rates": timed,
     }
