@@ -19,7 +19,7 @@ import torch.distributed as dist
 from distml.config import GPTConfig
 from distml.plan.calibration import Calibration
 from distml.plan.cost_model import Cluster, Device
-from distml.plan.timing import median_time
+from distml.plan.timing import mean_time, median_time
 
 # pynvml is optional (GPUs only); the profiler's modules load only when a GPT is profiled.
 
@@ -70,9 +70,11 @@ def allgather_bandwidth(
     repeats: int = 5,
 ) -> float:
     """Bytes/s each rank sends in all-gathers of ``shard_mb`` MiB a rank, ``burst`` of them back
-    to back as FSDP gathers one block after another: the median of ``repeats`` bursts
+    to back as FSDP gathers one block after another, over ``repeats`` bursts in all
     (all-gather's bus bandwidth in NCCL-tests' terms, ``(d-1)/d`` of the gathered bytes over
-    the time). Every rank of the group calls it."""
+    the time). The mean, not the median: on a slow lossy link the bursts' rates are bimodal,
+    and a step pays the slow ones too (BENCHMARKS.md, slow links). Every rank of the group
+    calls it."""
     ranks = dist.get_world_size(group)
     shard = torch.ones(int(shard_mb * 2**18), device=device)  # fp32: shard_mb MiB
     gathered = torch.empty(ranks * shard.numel(), device=device)
@@ -81,7 +83,7 @@ def allgather_bandwidth(
         for _ in range(burst):
             dist.all_gather_into_tensor(gathered, shard, group=group)
 
-    return (ranks - 1) * shard.numel() * 4 * burst / median_time(gathers, repeats)
+    return (ranks - 1) * shard.numel() * 4 * burst / mean_time(gathers, repeats)
 
 
 def exchange_bandwidth(
@@ -89,7 +91,8 @@ def exchange_bandwidth(
 ) -> float:
     """Bytes/s each way while this rank and ``peer`` send each other ``burst`` messages of
     ``message_mb`` MiB at once, as neighbouring pipeline stages do (activations one way, their
-    gradients the other): the median of ``repeats``. Both ranks call it."""
+    gradients the other), over ``repeats`` bursts in all (the mean, as for
+    :func:`allgather_bandwidth`). Both ranks call it."""
     out = torch.ones(int(message_mb * 2**18), device=device)  # fp32: message_mb MiB
     into = torch.empty_like(out)
 
@@ -99,7 +102,7 @@ def exchange_bandwidth(
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
-    return out.numel() * 4 * burst / median_time(exchange, repeats)
+    return out.numel() * 4 * burst / mean_time(exchange, repeats)
 
 
 # The sizes (MiB) at which ``distml bench`` measures between nodes all-gathers (a rank's shard:
