@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from distml.config import GPTConfig
 from distml.plan.calibration import Calibration
 from distml.plan.cost_model import Cluster, Device
-from distml.plan.timing import mean_time, median_time
+from distml.plan.timing import best_time, mean_time, median_time
 
 # pynvml is optional (GPUs only); the profiler's modules load only when a GPT is profiled.
 
@@ -49,15 +50,20 @@ def matmul_flops(
 
 
 def bus_bandwidth(
-    device: torch.device, group: dist.ProcessGroup | None, sizes_mb=(1, 4, 16), repeats: int = 5
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    sizes_mb=(1, 4, 16),
+    repeats: int = 5,
+    time_of: Callable[[Callable[[], Any], int], float] = median_time,
 ) -> float:
     """The all-reduce bus bandwidth of ``group`` (bytes/s): the best over ``sizes_mb``, each
-    size the median of ``repeats``. Every rank of the group calls it."""
+    size timed over ``repeats`` by ``time_of`` (the median). Every rank of the group calls
+    it."""
     ranks = dist.get_world_size(group)
     best = 0.0
     for mb in sizes_mb:
         x = torch.ones(int(mb * 2**18), device=device)  # fp32: mb MiB
-        t = median_time(lambda x=x: dist.all_reduce(x, group=group), repeats)
+        t = time_of(lambda x=x: dist.all_reduce(x, group=group), repeats)
         best = max(best, 2 * (ranks - 1) / ranks * x.numel() * 4 / t)
     return best
 
@@ -123,7 +129,9 @@ def node_links(
 
     Between nodes only a large message (``inter_mb`` MiB) counts for the all-reduce: a
     rate-limited link lets a burst through at once (a token bucket's, a switch's buffer), so a
-    small message can measure more than the line rate, which no gradient bucket sees. Between
+    small message can measure more than the line rate, which no gradient bucket sees. Its
+    figure is the best of 5: what the link carries, where a busy core on either host only
+    ever lowers it (the median of 3 by 7% on a 100 Mbit/s link with a core kept busy). Between
     nodes there are two more figures, for the transfers that move differently from an
     all-reduce, each as (bytes, bytes/s) pairs by size: all-gathers by shard
     (``inter_allgather_bw``), and the first two nodes sending each other messages at once
@@ -134,7 +142,7 @@ def node_links(
     leaders = dist.new_group([node * local for node in range(nodes)])
     inter, gathers, exchange = 0.0, [0.0] * len(ALLGATHER_SHARDS_MB), [0.0] * len(EXCHANGE_MB)
     if rank % local == 0:
-        inter = bus_bandwidth(device, leaders, (inter_mb,), repeats)
+        inter = bus_bandwidth(device, leaders, (inter_mb,), 5, time_of=best_time)
         gathers = [allgather_bandwidth(device, leaders, mb) for mb in ALLGATHER_SHARDS_MB]
         if rank < 2 * local:  # the first two nodes' leaders, both ways at once
             exchange = [exchange_bandwidth(device, local - rank, mb) for mb in EXCHANGE_MB]
