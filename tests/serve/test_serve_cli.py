@@ -110,6 +110,27 @@ def test_serve_command_serves_and_stops(tmp_path, balance):
     assert ("serving 1 replica(s), sharing the port" in err) == shared, err
 
 
+@pytest.mark.distributed
+def test_a_sigterm_before_the_replicas_serve_stops_them_too(tmp_path):
+    """Stopped while its replicas are still starting, ``distml serve`` unwinds and exits cleanly
+    (a SIGTERM's default action would end it at once, before it stops its replicas)."""
+    save_model(DigitsCNN(), str(tmp_path / "model.safetensors"))
+    argv = [sys.executable, "-m", "distml.cli.serve", str(tmp_path), "--replicas", "2"]
+    argv += ["--model", "digits-cnn", "--port", str(free_port())]
+    proc = subprocess.Popen(argv, env={**os.environ, TOKEN_ENV: TOKEN}, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while len(child_pids(proc.pid)) < 2:  # started, not yet serving
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "stopped before the replicas were serving" in err
+
+
 def test_tls_on_a_shared_port_is_a_usage_error(tmp_path):
     save_model(DigitsCNN(), str(tmp_path / "model.safetensors"))
     command = ["serve", str(tmp_path), "--balance", "kernel", "--ssl-certfile", "c.pem"]

@@ -197,37 +197,44 @@ def deploy(
     )
     console = Console(stderr=True)
     scheme = "https" if ssl_certfile else "http"
-    with ReplicaSet(command, replicas, token, log_dir=log_dir) as replica_set:
+    # A SIGTERM before the replicas serve unwinds as Ctrl-C does, so that the replicas already
+    # started are stopped (its default would end this process and leave them running); once
+    # they serve, the serving loop takes the signals over.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        with ReplicaSet(command, replicas, token, log_dir=log_dir) as replica_set:
 
-        def started() -> None:
-            url = _url(scheme, host, port)
-            how = ", sharing the port" if kernel else ""
-            console.print(f"serving {replicas} replica(s){how} at {url}/v2", highlight=False)
-            if replica_set.grpc_targets:
-                targets = ", ".join(replica_set.grpc_targets)
-                console.print(f"gRPC (KServe v2) on the replicas at {targets}", highlight=False)
-            if made:
-                metadata = _url(scheme, host, port, f"/v2/models/{quote(served.name, safe='')}")
-                _show_made_token(console, token, metadata)
+            def started() -> None:
+                url = _url(scheme, host, port)
+                how = ", sharing the port" if kernel else ""
+                console.print(f"serving {replicas} replica(s){how} at {url}/v2", highlight=False)
+                if replica_set.grpc_targets:
+                    targets = ", ".join(replica_set.grpc_targets)
+                    console.print(f"gRPC (KServe v2) on the replicas at {targets}", highlight=False)
+                if made:
+                    metadata = _url(scheme, host, port, f"/v2/models/{quote(served.name, safe='')}")
+                    _show_made_token(console, token, metadata)
 
-        try:
-            replica_set.wait_ready()
-        except (RuntimeError, TimeoutError) as exc:
-            report_failure("the replicas did not start", exc)
-        if kernel:
-            started()
-            _until_signal()  # leaving the block stops the replicas: each finishes its requests
-            return
-        router = Router(replica_set.urls, token)
-        run_router(
-            create_router_app(router, token),
-            router,
-            host,
-            port,
-            ssl_certfile=ssl_certfile,
-            ssl_keyfile=ssl_keyfile,
-            on_started=started,
-        )
+            try:
+                replica_set.wait_ready()
+            except (RuntimeError, TimeoutError) as exc:
+                report_failure("the replicas did not start", exc)
+            if kernel:
+                started()
+                _until_signal()  # leaving the block stops the replicas: each finishes its requests
+                return
+            router = Router(replica_set.urls, token)
+            run_router(
+                create_router_app(router, token),
+                router,
+                host,
+                port,
+                ssl_certfile=ssl_certfile,
+                ssl_keyfile=ssl_keyfile,
+                on_started=started,
+            )
+    except KeyboardInterrupt:
+        console.print("stopped before the replicas were serving", highlight=False)
 
 
 @serve_app.command()

@@ -142,9 +142,13 @@ class ReplicaSet:
         return [f"{host}:{p.grpc_port}" for p in self.processes if p.grpc_port is not None]
 
     def start(self) -> ReplicaSet:
-        for p in self.processes:
-            p.start(p.argv(self.command), self._env)
-        self._watch.start()
+        try:
+            for p in self.processes:
+                p.start(p.argv(self.command), self._env)
+            self._watch.start()
+        except BaseException:  # Ctrl-C halfway, say: those started stop (no __exit__ follows)
+            stop_all(self.processes, 30.0)
+            raise
         return self
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
