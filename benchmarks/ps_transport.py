@@ -81,15 +81,19 @@ CLOSE: list[Callable[[], Any]] = []  # what the rows opened, closed at the end
 
 # -- the processes on the other side ---------------------------------------------------------
 def serve_shard(port: int, http: str, loop: str) -> None:
-    """One ASP shard for one worker, on uvicorn with the given HTTP parser and event loop."""
+    """One ASP shard for one worker, on uvicorn with the given HTTP parser and event loop;
+    ``auto`` serves as distml does, the step route in uvicorn's protocol
+    (``distml.net.hot_protocol``)."""
     import uvicorn  # only the shard's process serves
 
+    from distml.net.hot_protocol import http_protocol
     from distml.ps.app import create_shard_app
 
     torch.set_num_threads(1)
     shard = ParameterShard(ShardSettings(consistency="asp", workers=1, heartbeat_timeout_s=3600))
     app = create_shard_app(shard, os.environ[TOKEN_ENV])
-    uvicorn.run(app, host="127.0.0.1", port=port, http=http, loop=loop, log_level="warning")
+    protocol = http_protocol(app) if http == "auto" else http
+    uvicorn.run(app, host="127.0.0.1", port=port, http=protocol, loop=loop, log_level="warning")
 
 
 def serve_floor(port: int) -> None:

@@ -324,11 +324,11 @@ def test_the_router_health_loop_logs_a_failed_check_and_goes_on(served, caplog):
         probes = []
         probe = router._probe
 
-        async def flaky(http, state) -> None:
+        async def flaky(state) -> None:
             probes.append(state.url)
             if len(probes) == 1:
                 raise RuntimeError("resolver crashed")
-            await probe(http, state)
+            await probe(state)
 
         router._probe = flaky
         app = create_router_app(router, TOKEN)
@@ -343,7 +343,7 @@ def test_a_router_whose_health_loop_stops_reports_unhealthy(served):
     with BackgroundServer(create_replica_app(served, TOKEN)) as replica:
         router = Router([replica.url], TOKEN, health_interval_s=0.01)
 
-        async def gone(http, state) -> None:
+        async def gone(state) -> None:
             raise LoopStopped("no way to reach the replicas")
 
         router._probe = gone

@@ -1,8 +1,8 @@
 """A real run's report.html, opened in headless Chromium: every plot is there, decoded and laid
 out with a size, and the page logs no error.
 
-Chromium is driven through its DevTools protocol (a websocket, with aiohttp, a dependency
-already), so the page is read as the browser rendered it, unchanged. Install the browser with
+Chromium is driven through its DevTools protocol (a websocket, with aiohttp, a dev
+dependency), so the page is read as the browser rendered it, unchanged. Install the browser with
 ``apt-get install -y chromium``; without one on PATH the test is skipped.
 """
 

@@ -62,45 +62,57 @@ Accept = Callable[[re.Match[str], Scope], Any]
 Answer = Callable[[Any, list[bytes], Headers], Awaitable[Reply]]
 
 
-class HotPath:
-    """ASGI middleware: ``POST`` requests whose path ``route`` matches whole, and that
-    ``accept`` takes, authenticated, read within ``max_body`` and answered by ``answer``;
-    anything else goes on to ``app``."""
+@dataclass(frozen=True)
+class HotRoute:
+    """A service's busiest route: ``POST`` requests whose path ``route`` matches whole, and that
+    ``accept`` takes, are authenticated by ``tokens``, read within ``max_body`` and answered by
+    ``answer``. Served by :class:`HotPath` inside an ASGI server, and by
+    :class:`distml.net.hot_protocol.HotPathProtocol` in uvicorn's own protocol, ahead of ASGI."""
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        route: re.Pattern[str],
-        accept: Accept,
-        answer: Answer,
-        tokens: Tokens,
-        max_body: int,
-        refusal_key: str = "error",
-    ):
-        self.app, self.route, self.accept, self.answer = app, route, accept, answer
-        self.tokens, self.max_body, self.refusal_key = tokens, max_body, refusal_key
+    route: re.Pattern[str]
+    accept: Accept
+    answer: Answer
+    tokens: Tokens
+    max_body: int
+    refusal_key: str = "error"
+
+    def unauthorized(self, authorization: str | None) -> Reply | None:
+        """The refusal of a request without a token this service knows; None: let it in."""
+        try:
+            self.tokens.identity(authorization)
+        except Unauthorized:
+            return Reply.error(401, Unauthorized.detail, "detail", **Unauthorized.headers)
+        return None
+
+    def too_large(self) -> Reply:
+        return Reply.error(413, str(BodyTooLarge(self.max_body)), self.refusal_key)
+
+
+class HotPath:
+    """ASGI middleware: the requests of ``hot`` answered ahead of ``app``; anything else goes
+    on to ``app``."""
+
+    def __init__(self, app: ASGIApp, *, hot: HotRoute):
+        self.app, self.hot = app, hot
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        taken = None
+        hot, taken = self.hot, None
         if scope["type"] == "http" and scope["method"] == "POST":
-            match = self.route.fullmatch(scope["path"])
-            taken = None if match is None else self.accept(match, scope)
+            match = hot.route.fullmatch(scope["path"])
+            taken = None if match is None else hot.accept(match, scope)
         if taken is None:
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
+        refusal = hot.unauthorized(headers.get("authorization"))
+        if refusal is not None:
+            return await respond(send, refusal)
         try:
-            self.tokens.identity(headers.get("authorization"))
-        except Unauthorized:
-            reply = Reply.error(401, Unauthorized.detail, "detail", **Unauthorized.headers)
-            return await respond(send, reply)
-        try:
-            chunks = await read(receive, headers.get("content-length"), self.max_body)
-        except BodyTooLarge as exc:
-            return await respond(send, Reply.error(413, str(exc), self.refusal_key))
+            chunks = await read(receive, headers.get("content-length"), hot.max_body)
+        except BodyTooLarge:
+            return await respond(send, hot.too_large())
         if chunks is None:  # the client went away
             return None
-        return await respond(send, await self.answer(taken, chunks, headers))
+        return await respond(send, await hot.answer(taken, chunks, headers))
 
 
 def add_hot_path(
@@ -112,17 +124,12 @@ def add_hot_path(
     max_body: int,
     refusal_key: str = "error",
 ) -> None:
-    """Put a :class:`HotPath` in front of ``app``, a service of :func:`distml.net.create_app`
-    (whose tokens it checks)."""
-    app.add_middleware(
-        HotPath,
-        route=route,
-        accept=accept,
-        answer=answer,
-        tokens=app.state.tokens,
-        max_body=max_body,
-        refusal_key=refusal_key,
-    )
+    """Answer ``route`` ahead of ``app``, a service of :func:`distml.net.create_app` (whose
+    tokens it checks): in uvicorn's protocol where :func:`distml.net.serve` serves it
+    (``app.state.hot_route``), and as a :class:`HotPath` middleware in any other ASGI server."""
+    hot = HotRoute(route, accept, answer, app.state.tokens, max_body, refusal_key)
+    app.state.hot_route = hot
+    app.add_middleware(HotPath, hot=hot)
 
 
 async def read(receive: Receive, declared: str | None, limit: int) -> list[bytes] | None:

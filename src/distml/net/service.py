@@ -239,10 +239,13 @@ def serve(
     process that started this one handed over (:data:`distml.net.ports.LISTEN_FD_ENV`) are
     served in place of binding: the shared port's by its number, the first other one as
     ``host:port``."""
+    from distml.net.hot_protocol import http_protocol  # it builds on this module
+
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
+        http=http_protocol(app),
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
         log_level=log_level,
@@ -272,11 +275,19 @@ class BackgroundServer:
     """
 
     def __init__(self, app: FastAPI, port: int = 0, host: str = "127.0.0.1"):
+        from distml.net.hot_protocol import http_protocol  # it builds on this module
 
         self._socket = listening_socket(host, port)  # port 0: a free one, bound from now on
         self.url = f"http://{host}:{self._socket.getsockname()[1]}"
         self._server = uvicorn.Server(
-            uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+            uvicorn.Config(
+                app,
+                host=host,
+                port=port,
+                http=http_protocol(app),
+                log_level="warning",
+                access_log=False,
+            )
         )
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True

@@ -8,28 +8,26 @@ router's app runs it as a background loop. ``drain()`` refuses new requests and 
 ones in flight. Bodies and the headers of the binary tensor data extension pass through as they
 are, both ways: the router reads no tensor.
 
-The replicas are called with aiohttp rather than httpx: httpx's AsyncClient spends several times
-aiohttp's CPU per request at the router's concurrency (``benchmarks/serving.py``; the figures are
-in BENCHMARKS.md, "Serving"), and on a machine the router shares with its replicas that CPU is
-taken from them.
+The replicas are called through :class:`distml.serve.upstream.Upstream`, keep-alive connections
+that cost a fraction of a general client's CPU a request: on a machine the router shares with
+its replicas, that CPU is taken from them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ssl
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from distml.serve.policy import PowerOfTwoChoices, ReplicaState, RoutingPolicy
+from distml.serve.upstream import Upstream, UpstreamError
 
 # Statuses a replica gives while it is down, starting or draining: worth waiting out.
 TRANSIENT = {502, 503, 504}
 # Headers of the binary tensor data extension, sent on to the replica and back to the client.
 PASSED_HEADERS = ("Inference-Header-Content-Length",)
+_PASSED = [(h, h.lower()) for h in PASSED_HEADERS]
 
 
 class NoReplica(Exception):
@@ -70,23 +68,13 @@ class Router:
         self.health_interval_s = health_interval_s
         self.draining = False
         self.in_flight = 0
-        self._token = token
-        self._timeout_s = timeout_s
-        # aiohttp's ssl: True verifies against the system's CAs, False does not verify.
-        self._ssl = ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify
-        self._http: aiohttp.ClientSession | None = None
-        self._idle: asyncio.Event | None = None
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._http is None:  # created in the serving loop, on first use
-            self._http = aiohttp.ClientSession(
-                headers={"Authorization": f"Bearer {self._token}"},
-                timeout=aiohttp.ClientTimeout(total=self._timeout_s),
-                connector=aiohttp.TCPConnector(limit=256, ssl=self._ssl),
-            )
-            self._idle = asyncio.Event()
-            self._idle.set()
-        return self._http
+        kept = ("content-type", *(k for _, k in _PASSED))
+        self._upstreams = {
+            r: Upstream(r.url, token, verify=verify, timeout_s=timeout_s, kept=kept)
+            for r in self.replicas
+        }
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def _pick(self, tried: set[ReplicaState]) -> ReplicaState | None:
         untried = [r for r in self.replicas if r not in tried]
@@ -106,15 +94,13 @@ class Router:
         :data:`PASSED_HEADERS` the client gave)."""
         if self.draining:
             raise Draining("the router is draining")
-        http = self._client()
-        assert self._idle is not None
         self.in_flight += 1
         self._idle.clear()
         try:
             sent = dict(headers or {})
             if content_type:
                 sent["Content-Type"] = content_type
-            return await self._forward(http, method, path, content, sent)
+            return await self._forward(method, path, content, sent)
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
@@ -122,7 +108,6 @@ class Router:
 
     async def _forward(
         self,
-        http: aiohttp.ClientSession,
         method: str,
         path: str,
         content: bytes,
@@ -146,39 +131,35 @@ class Router:
             attempts += 1
             replica.in_flight += 1
             try:
-                async with http.request(
-                    method, replica.url + path, data=content or None, headers=headers
-                ) as response:
-                    body = await response.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                answer = await self._upstreams[replica].request(method, path, content, headers)
+            except (UpstreamError, OSError, TimeoutError) as exc:
                 replica.healthy = False
                 replica.failures += 1
                 failure = f"{replica.url}: {type(exc).__name__}"
             else:
                 forwarded = Forwarded(
-                    response.status,
-                    body,
-                    response.headers.get("Content-Type", "application/json"),
+                    answer.status,
+                    answer.body,
+                    answer.headers.get("content-type", "application/json"),
                     replica.url,
                     attempts,
-                    {h: response.headers[h] for h in PASSED_HEADERS if h in response.headers},
+                    {h: answer.headers[k] for h, k in _PASSED if k in answer.headers},
                 )
-                if response.status < 500:
+                if answer.status < 500:
                     return forwarded
                 last_error = forwarded
-                failure = f"{replica.url}: {response.status}"
+                failure = f"{replica.url}: {answer.status}"
             finally:
                 replica.in_flight -= 1
             tried.add(replica)
 
-    async def _probe(self, http: aiohttp.ClientSession, replica: ReplicaState) -> None:
+    async def _probe(self, replica: ReplicaState) -> None:
         try:
-            async with http.get(
-                replica.url + "/v2/health/ready", timeout=aiohttp.ClientTimeout(total=5.0)
-            ) as response:
-                await response.read()
-                ok = response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
+            answer = await self._upstreams[replica].request(
+                "GET", "/v2/health/ready", timeout_s=5.0
+            )
+            ok = answer.status == 200
+        except (UpstreamError, OSError, TimeoutError):
             ok = False
         replica.healthy = ok
         replica.failures = 0 if ok else replica.failures + 1
@@ -188,9 +169,8 @@ class Router:
         marks its replica unhealthy and is raised once all are done, for the loop to log."""
         if self.draining:
             return
-        http = self._client()
         results = await asyncio.gather(
-            *(self._probe(http, r) for r in self.replicas), return_exceptions=True
+            *(self._probe(r) for r in self.replicas), return_exceptions=True
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         for replica, result in zip(self.replicas, results, strict=True):
@@ -206,15 +186,14 @@ class Router:
     async def drain(self, timeout_s: float = 30.0) -> None:
         """Refuse new requests from now on; return when those in flight are done."""
         self.draining = True
-        if self._idle is not None:
-            try:
-                await asyncio.wait_for(self._idle.wait(), timeout_s)
-            except TimeoutError:
-                pass  # the ones still running are cut off by the shutdown
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            pass  # the ones still running are cut off by the shutdown
         await self.close()
 
     async def close(self) -> None:
         """Close the connections to the replicas (after :meth:`drain`, or on shutdown)."""
         self.draining = True
-        if self._http is not None:
-            await self._http.close()
+        for upstream in self._upstreams.values():
+            upstream.close()

@@ -11,6 +11,7 @@ ones in flight finish, then the server exits.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib.metadata import version as package_version
@@ -26,6 +27,7 @@ from starlette.responses import Response
 
 from distml.net import create_app, read_body
 from distml.net.hot_path import Reply
+from distml.net.hot_protocol import http_protocol
 from distml.serve.infer_path import add_infer_path
 from distml.serve.protocol import (
     HEADER_LENGTH,
@@ -47,6 +49,7 @@ ModelName = Annotated[str, Path(max_length=256)]
 ModelVersion = Annotated[str, Path(max_length=64)]
 
 
+@functools.lru_cache(maxsize=1024)  # each request names its model: quote it once
 def model_path(name: str, tail: str = "", version: str | None = None) -> str:
     # Quoted whole: a name holding "?", "#", "/" or a space stays one path segment.
     path = f"/v2/models/{quote(name, safe='')}"
@@ -237,6 +240,7 @@ def run_router(
         app,
         host=host,
         port=port,
+        http=http_protocol(app),
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
         log_level="warning",
