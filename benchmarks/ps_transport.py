@@ -19,9 +19,11 @@ Rows, interleaved in every repeat:
 - ``distml step, 2 shards``: the parameters split over two shards (as the job places them),
   the two requests sent before either answer is read (what the worker does), or each from a
   thread of its own (a pool of two).
-- with ``--server-stacks``, ``distml step`` against a shard on uvicorn's pure-Python stack
-  (h11, asyncio), for the cost of running it without httptools and uvloop; and against a shard
-  whose process has glibc's default malloc (not the job's ``PROCESS_ENV``).
+- with ``--server-stacks``, ``distml step`` against a shard whose step route is answered
+  behind ASGI (``distml.net.hot_path``, the way before ``distml.net.hot_protocol``); against a
+  shard on uvicorn's pure-Python stack (h11, asyncio), for the cost of running it without
+  httptools and uvloop; and against a shard whose process has glibc's default malloc (not the
+  job's ``PROCESS_ENV``).
 
 Per step: wall time, this process's CPU (every thread) and the shard's (from /proc). Then the
 parts of one ``distml step``: the worker's encode, send, answer (the shard's work, the transfer
@@ -476,6 +478,7 @@ def measure(model_name: str, args: argparse.Namespace) -> dict[str, Any]:
     pair = Shards([Child("--serve", "auto", "auto"), Child("--serve", "auto", "auto")])
     stacks = {"auto": shard}
     if args.server_stacks:
+        stacks["ASGI hot path"] = Child("--serve", "httptools", "uvloop")
         stacks["h11/asyncio"] = Child("--serve", "h11", "asyncio")
         stacks["default malloc"] = Child("--serve", "auto", "auto", malloc={})
     children = [*stacks.values(), floor, *pair.children]
