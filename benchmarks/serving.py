@@ -16,10 +16,10 @@ the router at most 1.3x the CPU a request of a direct one; 2 replicas >= 0.9 of 
 
 Part ``replicas``: 1 vs 2 replicas behind the router, each with dynamic batching (max 32 rows,
 no wait) and without (max 1 row); the router's added latency, one request at a time, direct to a
-replica vs through the router; and the CPU per request of the two HTTP clients (httpx, which
-the router used to call its replicas with, and aiohttp, which it uses now) against one replica.
-Replicas and router are processes of their own, as ``distml serve`` starts them. Goal: 2
-replicas >= 1.7x the throughput of 1.
+replica vs through the router; and the CPU per request of three HTTP clients against one
+replica: httpx and aiohttp, which the router called its replicas with before, and
+``distml.serve.upstream``, which it calls them with now. Replicas and router are processes of
+their own, as ``distml serve`` starts them. Goal: 2 replicas >= 1.7x the throughput of 1.
 
 In both parts the load generator (aiohttp, ``--concurrency`` clients each sending its next
 one-row request when the last one returns) runs in this process, over loopback.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import hashlib
 import json
@@ -55,6 +56,7 @@ from distml.jobs.replicas import ReplicaCommand, ReplicaSet
 from distml.models import DigitsCNN
 from distml.net import TOKEN_ENV
 from distml.net.ports import free_port
+from distml.serve.upstream import Upstream
 
 TOKEN = "benchmark-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -113,8 +115,9 @@ async def load(url: str, requests: int, concurrency: int) -> dict[str, Any]:
 
 async def client_cost(url: str, client: str, requests: int, concurrency: int) -> dict[str, float]:
     """CPU of this process per request, and requests/s, for ``requests`` one-row requests at
-    ``concurrency`` through httpx's AsyncClient or aiohttp's ClientSession: what the router
-    spends calling its replicas, and what a load generator spends."""
+    ``concurrency`` through httpx's AsyncClient, aiohttp's ClientSession or the router's own
+    ``distml.serve.upstream.Upstream``: what the router spends calling its replicas with each,
+    and what a load generator spends."""
     body = request_body()
     if client == "httpx":
         limits = httpx.Limits(max_connections=concurrency)
@@ -122,6 +125,16 @@ async def client_cost(url: str, client: str, requests: int, concurrency: int) ->
 
         async def post() -> None:
             (await session.post(url + PATH, content=body, headers=HEADERS)).raise_for_status()
+    elif client == "upstream":
+        upstream = Upstream(url, TOKEN)
+        session = contextlib.AsyncExitStack()
+        session.callback(upstream.close)
+        content_type = {"Content-Type": "application/json"}
+
+        async def post() -> None:
+            answer = await upstream.request("POST", PATH, body, content_type)
+            if answer.status != 200:
+                raise RuntimeError(f"the replica answered {answer.status}")
     else:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency))
 
@@ -469,7 +482,7 @@ def replicas_part(args: argparse.Namespace, checkpoint: Path) -> dict[str, Any]:
     out["router_overhead"] = deployment(checkpoint, 1, 1, overhead)
 
     def clients(_router: str, replica: str, _pids) -> dict[str, Any]:
-        runs: dict[str, list[dict[str, float]]] = {"httpx": [], "aiohttp": []}
+        runs: dict[str, list[dict[str, float]]] = {"httpx": [], "aiohttp": [], "upstream": []}
         for _ in range(args.repeats):
             for name, of_client in runs.items():
                 of_client.append(asyncio.run(client_cost(replica, name, 1000, args.concurrency)))

@@ -33,6 +33,8 @@ def echo_app() -> tuple[FastAPI, list[str]]:
     async def answer(word: str, chunks: list[bytes], headers) -> Reply:
         if word == "boom":
             raise RuntimeError("the handler failed")
+        if word == "split":  # an answer whose header would end its line
+            return Reply.json(200, {}, **{"X-Echo": "a\r\nX-Injected: 1"})
         body = b"".join(chunks)
         return Reply.json(200, {"word": word, "size": len(body)}, **{"X-Echo": "yes"})
 
@@ -107,6 +109,9 @@ def test_refusals_come_as_through_asgi(echo):
         assert chunked.status_code == 413
         failed = client.post("/echo/boom", content=b"", headers=AUTH)
         assert failed.status_code == 500
+        split = client.post("/echo/split", content=b"", headers=AUTH)
+        assert split.status_code == 500
+        assert "x-injected" not in split.headers
         # The service goes on for everyone.
         assert client.post("/echo/hello", content=b"ok", headers=AUTH).json()["size"] == 2
     assert not [p for p in seen if p.startswith("/echo/hello")]

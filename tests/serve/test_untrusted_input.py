@@ -24,6 +24,7 @@ from distml.serve.model import ServedModel, load_served_model
 from distml.serve.replica import create_replica_app
 from distml.serve.router import Router
 from distml.serve.router_app import create_router_app
+from distml.serve.upstream import UnsafeHeader
 
 TOKEN = "untrusted-input-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -378,3 +379,18 @@ def test_a_sequence_longer_than_the_gpt_takes_is_refused_before_the_model():
         assert r.status_code == 400 and "over its limit of 4" in r.json()["error"], r.text
         assert client.post(path, json=tokens(4), headers=AUTH).status_code == 200
         assert client.get("/healthz", headers=AUTH).status_code == 200
+
+
+def test_a_header_that_would_split_the_forwarded_request_fails_alone(served):
+    with BackgroundServer(create_replica_app(served, TOKEN)) as replica:
+        router = Router([replica.url], TOKEN)
+
+        async def main() -> int:
+            with pytest.raises(UnsafeHeader):
+                await router.forward("POST", INFER, raw(1).encode(), "application/json\r\nX: 1")
+            ok = await router.forward("POST", INFER, raw(1).encode(), "application/json")
+            await router.close()
+            return ok.status
+
+        assert asyncio.run(main()) == 200
+        assert router.replicas[0].healthy and router.replicas[0].failures == 0

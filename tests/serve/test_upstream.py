@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import ssl
 from collections.abc import Awaitable, Callable
 
 import pytest
 from fastapi import Request
 from starlette.responses import Response
 
+from conftest import self_signed
 from distml.net import BackgroundServer, create_app
 from distml.serve.upstream import UnsafeHeader, Upstream, UpstreamError
 
@@ -56,9 +58,11 @@ def test_requests_reuse_one_connection_and_carry_the_token_and_headers():
 Handler = Callable[[int, bytes, asyncio.StreamWriter], Awaitable[None]]
 
 
-async def scripted(handle: Handler) -> tuple[asyncio.Server, str, list[int]]:
+async def scripted(
+    handle: Handler, tls: ssl.SSLContext | None = None
+) -> tuple[asyncio.Server, str, list[int]]:
     """A peer that calls ``handle(connection number, request head, writer)`` for each request
-    head it reads; the list counts the requests of each connection."""
+    head it reads, over TLS with ``tls``; the list counts the requests of each connection."""
     requests: list[int] = []
 
     async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -76,9 +80,9 @@ async def scripted(handle: Handler) -> tuple[asyncio.Server, str, list[int]]:
         finally:
             writer.close()
 
-    server = await asyncio.start_server(connection, "127.0.0.1", 0)
+    server = await asyncio.start_server(connection, "127.0.0.1", 0, ssl=tls)
     port = server.sockets[0].getsockname()[1]
-    return server, f"http://127.0.0.1:{port}", requests
+    return server, f"{'https' if tls else 'http'}://127.0.0.1:{port}", requests
 
 
 def test_a_kept_connection_closed_as_it_is_reused_is_retried_on_a_new_one():
@@ -170,5 +174,26 @@ def test_a_peer_that_is_not_there_fails_the_request():
         await server.wait_closed()
         with pytest.raises(UpstreamError, match="cannot connect"):
             await Upstream(url, TOKEN).request("GET", "/")
+
+    asyncio.run(main())
+
+
+def test_a_replica_over_tls_is_reached_with_its_ca_and_refused_without(tmp_path):
+    cert, key = self_signed(tmp_path)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+
+    async def handle(number: int, head: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(OK)
+
+    async def main() -> None:
+        server, url, _ = await scripted(handle, tls)
+        answer = await Upstream(url, TOKEN, verify=str(cert)).request("GET", "/")
+        assert (answer.status, answer.body) == (200, b"ok")
+        with pytest.raises(UpstreamError, match="CERTIFICATE_VERIFY_FAILED"):
+            await Upstream(url, TOKEN).request("GET", "/")  # the system's CAs: unknown issuer
+        unverified = await Upstream(url, TOKEN, verify=False).request("GET", "/")
+        assert unverified.body == b"ok"
+        server.close()
 
     asyncio.run(main())

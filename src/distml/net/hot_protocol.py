@@ -2,12 +2,15 @@
 
 :class:`distml.net.hot_path.HotPath` answers the route ahead of FastAPI, but still behind the
 ASGI machinery: uvicorn's request cycle, its scope and its ``receive``/``send`` messages,
-FastAPI's own outer middleware. For a router whose whole work is to pass a request on, that
-machinery was most of the CPU it spent on a request, and Python, not the kernel, took three
-fifths of that CPU (``perf``; BENCHMARKS.md, "Serving"). :class:`HotPathProtocol` is uvicorn's
-``httptools`` protocol with the hot route taken out of it: the request is parsed by uvicorn as
-always, then, if the route matches and ``accept`` takes it, checked (token, body limit) and
-answered by the route's handler, its answer written in one call. Everything else -- other
+FastAPI's own outer middleware. A router, whose whole work is to pass a request on, spent three
+fifths of its CPU in the Python interpreter (``perf``). With the route taken out of ASGI here,
+and its calls to the replicas made lean (``distml.serve.upstream``), the router's CPU a request
+went from 0.41 to 0.17 ms (BENCHMARKS.md, "Serving").
+
+:class:`HotPathProtocol` is uvicorn's ``httptools`` protocol with the hot route taken out of
+it: the request is parsed by uvicorn as always, then, if the route matches and ``accept`` takes
+it, checked (token, body limit) and answered by the route's handler, its answer written in one
+call. Everything else -- other
 routes, a refused ``accept``, a percent-encoded path, an upgrade -- goes the usual way, and
 keep-alive, pipelining, flow control and graceful shutdown stay uvicorn's: the hot request
 takes the place of uvicorn's request cycle, with the attributes uvicorn reads of one.
@@ -38,6 +41,7 @@ except ImportError:  # an uvicorn without its httptools protocol: ASGI's path on
 
 log = logging.getLogger("distml.net")
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+INTERNAL_ERROR = Reply(500, b"Internal Server Error", "text/plain; charset=utf-8")
 
 
 def http_protocol(app: Any) -> Any:
@@ -67,12 +71,13 @@ class HotRequest:
         """Answer the request (``app`` is unused: uvicorn passes it to a pipelined request)."""
         try:
             reply = await self._answer()
+            if reply is not None and not self.disconnected:
+                await self._send(reply)
         except Exception as exc:  # as uvicorn does for an app's exception: logged, a 500
             log.error("the hot route failed a request", exc_info=exc)
-            reply = Reply(500, b"Internal Server Error", "text/plain; charset=utf-8")
-            self.keep_alive = False
-        if reply is not None and not self.disconnected:
-            await self._send(reply)
+            if not self.response_complete and not self.disconnected:
+                self.keep_alive = False
+                await self._send(INTERNAL_ERROR)
 
     async def _answer(self) -> Reply | None:
         hot: HotRoute = self.protocol.hot

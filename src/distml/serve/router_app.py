@@ -43,6 +43,7 @@ from distml.serve.protocol import (
     server_metadata,
 )
 from distml.serve.router import Draining, NoReplica, Router
+from distml.serve.upstream import UnsafeHeader
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 ModelName = Annotated[str, Path(max_length=256)]
@@ -124,6 +125,9 @@ def create_router_app(router: Router, token: str, max_body: int = 16 * 2**20) ->
             except NoReplica as exc:
                 failed.inc()
                 return Reply.error(503, str(exc))
+            except UnsafeHeader as exc:  # nothing was sent: the client's fault alone
+                client_error.inc()
+                return Reply.error(400, str(exc))
         if result.attempts > 1:
             retries.inc(result.attempts - 1)
         (ok if result.status < 400 else client_error if result.status < 500 else error).inc()
