@@ -24,7 +24,7 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from distml.net.service import Tokens, Unauthorized
+from distml.net.token import Tokens, Unauthorized
 
 
 @dataclass

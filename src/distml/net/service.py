@@ -9,7 +9,6 @@ request bodies, ``/healthz`` through the real work path, ``/metrics`` for Promet
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
 import logging
 import threading
@@ -24,7 +23,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
+from distml.net.hot_protocol import http_protocol
 from distml.net.ports import inherited_sockets, listening_socket
+from distml.net.token import Tokens, Unauthorized
 
 DEFAULT_MAX_BODY = 256 * 2**20
 SAFETENSORS = "application/octet-stream"
@@ -108,40 +109,6 @@ class LoopStopped(Exception):
     """Raised by a loop's step when the loop cannot go on; the service then reports unhealthy."""
 
 
-class Tokens:
-    """The bearer tokens a service takes: one shared token, or a mapping ``identity -> token``
-    (one token per client). Looked up by their SHA-256, so that the lookup time says nothing
-    about a guess's prefix."""
-
-    def __init__(self, token: str | Mapping[str, str]):
-        if isinstance(token, str):
-            self._identities: dict[bytes, str | None] = {_digest(token): None}
-        else:
-            self._identities = {_digest(t): identity for identity, t in token.items()}
-            if len(self._identities) < len(token):
-                raise ValueError("two identities share one token")
-
-    def identity(self, authorization: str | None) -> str | None:
-        """Who sent ``authorization`` (an ``Authorization`` header's value): the identity of
-        its token, ``None`` for a shared one. Raises :class:`Unauthorized` for anything else."""
-        scheme, _, credentials = (authorization or "").partition(" ")
-        digest = _digest(credentials.strip()) if scheme.lower() == "bearer" else b""
-        if digest not in self._identities:
-            raise Unauthorized
-        return self._identities[digest]
-
-
-class Unauthorized(Exception):
-    """A request without a token the service knows."""
-
-    detail = "missing or wrong bearer token"
-    headers = {"WWW-Authenticate": "Bearer"}
-
-
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
-
-
 def create_app(
     title: str,
     token: str | Mapping[str, str],
@@ -154,7 +121,8 @@ def create_app(
 
     ``token`` is one shared token, or a mapping ``identity -> token`` (one token per client):
     a route then finds who called it in ``request.state.identity`` (``None`` for a shared token).
-    ``app.state.tokens`` (:class:`Tokens`) checks them, for a path served beside FastAPI's.
+    ``app.state.tokens`` (:class:`distml.net.token.Tokens`) checks them, for a path served
+    beside FastAPI's.
     """
     tokens = Tokens(token)
     bearer = HTTPBearer(auto_error=False)  # declares the scheme in the OpenAPI document
@@ -239,8 +207,6 @@ def serve(
     process that started this one handed over (:data:`distml.net.ports.LISTEN_FD_ENV`) are
     served in place of binding: the shared port's by its number, the first other one as
     ``host:port``."""
-    from distml.net.hot_protocol import http_protocol  # it builds on this module
-
     config = uvicorn.Config(
         app,
         host=host,
@@ -275,8 +241,6 @@ class BackgroundServer:
     """
 
     def __init__(self, app: FastAPI, port: int = 0, host: str = "127.0.0.1"):
-        from distml.net.hot_protocol import http_protocol  # it builds on this module
-
         self._socket = listening_socket(host, port)  # port 0: a free one, bound from now on
         self.url = f"http://{host}:{self._socket.getsockname()[1]}"
         self._server = uvicorn.Server(

@@ -1,11 +1,13 @@
 """The shared secret of a distml service, read from the environment, or made on the spot for a
-service that only this machine can reach."""
+service that only this machine can reach; and the bearer tokens a service takes."""
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import secrets
+from collections.abc import Mapping
 
 TOKEN_ENV = "DISTML_TOKEN"
 
@@ -50,3 +52,37 @@ def service_token(*hosts: str, env: str = TOKEN_ENV) -> tuple[str, bool]:
             "made for you)"
         )
     return secrets.token_urlsafe(24), True
+
+
+class Tokens:
+    """The bearer tokens a service takes: one shared token, or a mapping ``identity -> token``
+    (one token per client). Looked up by their SHA-256, so that the lookup time says nothing
+    about a guess's prefix."""
+
+    def __init__(self, token: str | Mapping[str, str]):
+        if isinstance(token, str):
+            self._identities: dict[bytes, str | None] = {_digest(token): None}
+        else:
+            self._identities = {_digest(t): identity for identity, t in token.items()}
+            if len(self._identities) < len(token):
+                raise ValueError("two identities share one token")
+
+    def identity(self, authorization: str | None) -> str | None:
+        """Who sent ``authorization`` (an ``Authorization`` header's value): the identity of
+        its token, ``None`` for a shared one. Raises :class:`Unauthorized` for anything else."""
+        scheme, _, credentials = (authorization or "").partition(" ")
+        digest = _digest(credentials.strip()) if scheme.lower() == "bearer" else b""
+        if digest not in self._identities:
+            raise Unauthorized
+        return self._identities[digest]
+
+
+class Unauthorized(Exception):
+    """A request without a token the service knows."""
+
+    detail = "missing or wrong bearer token"
+    headers = {"WWW-Authenticate": "Bearer"}
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
