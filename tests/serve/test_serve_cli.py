@@ -24,7 +24,7 @@ from safetensors.torch import save_model
 from typer.testing import CliRunner
 
 from conftest import child_pids, cmdline
-from distml.cli.serve import serve_app
+from distml.cli.serve import _stop_on_sigterm, serve_app
 from distml.models import DigitsCNN
 from distml.net import TOKEN_ENV
 from distml.net.ports import free_port
@@ -211,3 +211,25 @@ def test_a_grpc_port_without_the_grpc_extra_is_a_usage_error(monkeypatch):
         result = runner.invoke(_root(), [*command, "--grpc-port", "9001"], env={TOKEN_ENV: TOKEN})
         assert result.exit_code == 2, result.output
         assert "pip install 'distml[grpc]'" in result.output
+
+
+def test_a_sigterm_whose_interrupt_python_ignores_is_still_seen(monkeypatch):
+    """The interrupt a SIGTERM raises is lost where it lands in a finalizer (or a callback of
+    the import machinery, as it once did in CI): ``distml serve`` still sees the signal came."""
+    ignored: list[type[BaseException]] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: ignored.append(u.exc_type))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        stopping = _stop_on_sigterm()
+
+        class Finalized:
+            def __del__(self) -> None:
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(10_000):  # the handler runs here, and its interrupt is ignored
+                    pass
+
+        Finalized()  # collected at once: no KeyboardInterrupt reaches this frame
+        assert stopping.is_set()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert ignored == [KeyboardInterrupt]  # "Exception ignored in ...", as Python reports it

@@ -106,6 +106,20 @@ def _until_signal() -> None:
     stop.wait()
 
 
+def _stop_on_sigterm() -> threading.Event:
+    """From now on a SIGTERM unwinds as Ctrl-C does, and is remembered: the interrupt it raises
+    is lost where it lands in code whose exceptions Python ignores (a callback of the import
+    machinery, a finalizer), and the event still tells the caller that it came."""
+    stopping = threading.Event()
+
+    def interrupt(signum: int, frame: Any) -> None:
+        stopping.set()
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, interrupt)
+    return stopping
+
+
 def _check_rows(max_batch_size: int, max_batch_rows: int) -> None:
     """A batch the batcher fills may not outgrow the cap on one forward pass."""
     if max_batch_size > max_batch_rows:
@@ -200,7 +214,7 @@ def deploy(
     # A SIGTERM before the replicas serve unwinds as Ctrl-C does, so that the replicas already
     # started are stopped (its default would end this process and leave them running); once
     # they serve, the serving loop takes the signals over.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    stopping = _stop_on_sigterm()
     try:
         with ReplicaSet(command, replicas, token, log_dir=log_dir) as replica_set:
 
@@ -219,6 +233,8 @@ def deploy(
                 replica_set.wait_ready()
             except (RuntimeError, TimeoutError) as exc:
                 report_failure("the replicas did not start", exc)
+            if stopping.is_set():  # a SIGTERM came, and its interrupt was lost on the way
+                raise KeyboardInterrupt
             if kernel:
                 started()
                 _until_signal()  # leaving the block stops the replicas: each finishes its requests
