@@ -25,6 +25,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from distml.net.token import Tokens, Unauthorized
+from distml.net.untrusted import declared_over
 
 
 @dataclass
@@ -136,7 +137,7 @@ async def read(receive: Receive, declared: str | None, limit: int) -> list[bytes
     """The body's chunks as they came, or ``None`` should the client disconnect; over
     ``limit``: :class:`BodyTooLarge` (the declared length is checked first, as
     :func:`distml.net.read_body` does)."""
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+    if declared_over(declared, limit):
         raise BodyTooLarge(limit)
     chunks, size = [], 0
     while True:

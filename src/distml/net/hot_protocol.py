@@ -10,10 +10,10 @@ went from 0.41 to 0.17 ms (BENCHMARKS.md, "Serving").
 :class:`HotPathProtocol` is uvicorn's ``httptools`` protocol with the hot route taken out of
 it: the request is parsed by uvicorn as always, then, if the route matches and ``accept`` takes
 it, checked (token, body limit) and answered by the route's handler, its answer written in one
-call. Everything else -- other
-routes, a refused ``accept``, a percent-encoded path, an upgrade -- goes the usual way, and
-keep-alive, pipelining, flow control and graceful shutdown stay uvicorn's: the hot request
-takes the place of uvicorn's request cycle, with the attributes uvicorn reads of one.
+call. Everything else -- other routes, a refused ``accept``, a percent-encoded path, an
+upgrade -- goes the usual way, and keep-alive, pipelining, flow control and graceful shutdown
+stay uvicorn's: the hot request takes the place of uvicorn's request cycle, with the attributes
+uvicorn reads of one.
 
 :func:`http_protocol` picks it for an app that has a hot route, where uvicorn's ``httptools``
 protocol is there to build on; otherwise uvicorn's own choice.
@@ -29,6 +29,7 @@ import httptools
 from starlette.datastructures import Headers
 
 from distml.net.hot_path import HotRoute, Reply
+from distml.net.untrusted import declared_over
 
 try:
     from uvicorn.protocols.http.httptools_impl import (
@@ -84,8 +85,7 @@ class HotRequest:
         refusal = hot.unauthorized(self.headers.get("authorization"))
         if refusal is not None:
             return refusal
-        declared = self.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > hot.max_body):
+        if declared_over(self.headers.get("content-length"), hot.max_body):
             self.keep_alive = False  # the body is left unread: the connection cannot go on
             return hot.too_large()
         while self.more_body and not self.disconnected:

@@ -26,6 +26,7 @@ from starlette.types import ASGIApp
 from distml.net.hot_protocol import http_protocol
 from distml.net.ports import inherited_sockets, listening_socket
 from distml.net.token import Tokens, Unauthorized
+from distml.net.untrusted import declared_over
 
 DEFAULT_MAX_BODY = 256 * 2**20
 SAFETENSORS = "application/octet-stream"
@@ -180,7 +181,7 @@ async def read_chunks(request: Request, limit: int = DEFAULT_MAX_BODY) -> list[b
     """The request body's chunks as they came, with :func:`read_body`'s limits: for a caller
     that joins them into a buffer of its own."""
     declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+    if declared_over(declared, limit):
         raise HTTPException(413, f"body over the limit of {limit} bytes")
     chunks, size = [], 0
     async for chunk in request.stream():

@@ -64,3 +64,10 @@ def _depth(value: Any) -> int:
             children = item.values() if isinstance(item, dict) else item
             stack.extend((child, depth + 1) for child in children)
     return deepest
+
+
+def declared_over(declared: str | None, limit: int) -> bool:
+    """Whether a body's declared ``Content-Length`` refuses it before a byte is read: over
+    ``limit``, or not a plain decimal number. No declared length passes (the body is then
+    counted as it comes)."""
+    return declared is not None and (not declared.isdigit() or int(declared) > limit)
