@@ -3,7 +3,9 @@
 Each host is a network namespace with one interface, ``eth0``, whose peer sits on a bridge in a
 namespace of its own (a switch). Each host's link is rate-limited in both directions with
 ``tc``'s token bucket filter: the host's egress on ``eth0``, and the switch's egress on the
-host's port, each with a shallow queue (5 ms, as a switch port has). Processes run "on" a host
+host's port, each with a shallow queue (5 ms, as a switch port has). Up to ``PACED_BITS`` the
+frames go one by one through a bucket of a few of them, so that after an idle spell nothing
+passes faster than the rate, as on a link that serializes its frames. Processes run "on" a host
 through ``ip netns exec``; they reach each other at the hosts' addresses, and nothing outside
 the testbed's namespaces is ever addressed::
 
@@ -34,6 +36,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+
+# Up to this rate a link sends frame by frame, with a bucket of PACED_BURST_S: what comes after
+# an idle stretch moves at the rate, as on a link that serializes every frame at it. With GSO's
+# batches and the 4 ms bucket of faster links, tens of KB passed at once after the link idled,
+# and the small collectives of PowerSGD and a pipeline's sends beat the rate (BENCHMARKS.md,
+# slow links). Above it GSO stays on: one core sending single frames carried 64 MB/s of 1 Gbit/s.
+PACED_BITS = 250e6
+PACED_BURST_S = 0.001
+MTU_FRAME = 1514  # bytes on the wire of a full Ethernet frame
+GSO_MAX = 65536  # the kernel's default batch
 _counter = itertools.count()
 
 
@@ -156,13 +168,19 @@ class Testbed:
     def shape(self, rate: str | float) -> None:
         """Set every host's link to ``rate`` each way (a token bucket; replaces any before)."""
         bits = rate_bits(rate)
-        # The bucket holds burst_s of traffic (at least the kernel's timer tick needs at high
-        # rates) and a few full frames: a larger one would let a job's small collectives pass
-        # between steps faster than the rate. tbf splits larger segments (TSO) itself.
-        burst = max(int(bits / 8 * self.burst_s), 16_384)
+        if bits <= PACED_BITS:
+            # Frame by frame, as a link of this rate serializes them: no GSO batch for tbf to
+            # pass at once, and a bucket of 1 ms, a few frames at the least.
+            gso, burst = MTU_FRAME, max(int(bits / 8 * PACED_BURST_S), 4 * MTU_FRAME)
+        else:
+            # The bucket holds burst_s of traffic (at least the kernel's timer tick needs at high
+            # rates) and a few full frames; tbf splits GSO batches (up to 64 KB) itself.
+            gso, burst = GSO_MAX, max(int(bits / 8 * self.burst_s), 16_384)
         queue = f"{self.queue_s * 1e3:g}ms"
         args = ("root", "tbf", "rate", f"{bits:.0f}bit", "burst", str(burst), "latency", queue)
         for host in self.hosts:
+            _sh("ip", "-n", host.name, "link", "set", "eth0", "gso_max_size", str(gso))
+            _sh("ip", "-n", self.switch, "link", "set", host.port, "gso_max_size", str(gso))
             _sh("tc", "-n", host.name, "qdisc", "replace", "dev", "eth0", *args)
             _sh("tc", "-n", self.switch, "qdisc", "replace", "dev", host.port, *args)
         self.rate_bits = bits

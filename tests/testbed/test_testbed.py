@@ -72,6 +72,32 @@ def test_a_shaped_link_carries_its_rate(testbed_factory, tmp_path, rate, seconds
 
 @pytest.mark.netns
 @pytest.mark.distributed
+def test_a_message_after_the_link_idled_moves_at_its_rate(testbed_factory, tmp_path):
+    """A link of 50 Mbit/s serializes every frame at its rate, idle or not: a 64 KB answer after
+    the link idled takes its bytes at the rate. (With the 4 ms bucket the testbed once had,
+    25 KB of it passed at once, and it came in two thirds of that time.)"""
+    bed = testbed_factory(2, "50mbit")
+    a, b = bed.hosts[0], bed.hosts[1]
+    nbytes = 65_536
+    server = subprocess.Popen(
+        bed.command(a, [sys.executable, str(STREAM), "serve", a.addr, "5202", str(nbytes)]),
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        ask = [sys.executable, str(STREAM), "ask", a.addr, "5202", str(nbytes), "5"]
+        asked = subprocess.run(bed.command(b, ask), capture_output=True, text=True, timeout=120)
+        assert asked.returncode == 0, asked.stderr
+    finally:
+        server.kill()
+        server.wait()
+    # The shortest of 5 waits: a busy core only ever lengthens one.
+    at_rate = nbytes / line_rate_bytes(bed.rate_bits)
+    assert float(asked.stdout) >= 0.8 * at_rate, (float(asked.stdout), at_rate)
+
+
+@pytest.mark.netns
+@pytest.mark.distributed
 def test_the_testbed_is_gone_after_an_error_with_what_ran_inside(testbed_factory, tmp_path):
     testbed_factory(1)  # only to skip where none can be built
     bed = Testbed(2, "50mbit")
