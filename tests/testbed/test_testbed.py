@@ -4,11 +4,13 @@ shaped hosts whose telemetry reports the link it ran over."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,22 +41,30 @@ def namespaces() -> set[str]:
     return {line.split()[0] for line in listed.splitlines() if line.strip()}
 
 
-def stream_rate(bed: Testbed, nbytes: int, tmp_path: Path) -> float:
-    """Bytes/s of one TCP stream from host 1 to host 0."""
-    a, b = bed.hosts[0], bed.hosts[1]
-    receiver = subprocess.Popen(
-        bed.command(a, [sys.executable, str(STREAM), "recv", a.addr, "5201", str(nbytes)]),
+@contextlib.contextmanager
+def listening(bed: Testbed, mode: str, port: int, nbytes: int) -> Iterator[subprocess.Popen]:
+    """stream.py's ``mode`` (``recv`` or ``serve``) on host 0, listening until the block ends."""
+    a = bed.hosts[0]
+    listener = subprocess.Popen(
+        bed.command(a, [sys.executable, str(STREAM), mode, a.addr, str(port), str(nbytes)]),
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        assert receiver.stdout.readline().strip() == "listening"
+        assert listener.stdout.readline().strip() == "listening"
+        yield listener
+    finally:
+        listener.kill()
+        listener.wait()
+
+
+def stream_rate(bed: Testbed, nbytes: int, tmp_path: Path) -> float:
+    """Bytes/s of one TCP stream from host 1 to host 0."""
+    a, b = bed.hosts[0], bed.hosts[1]
+    with listening(bed, "recv", 5201, nbytes) as receiver:
         sender = bed.popen(b, [sys.executable, str(STREAM), "send", a.addr, "5201", str(nbytes)],
                            log=tmp_path / "send.log")  # fmt: skip
         assert sender.wait(timeout=120) == 0, (tmp_path / "send.log").read_text()
         return float(receiver.stdout.readline())
-    finally:
-        receiver.kill()
-        receiver.wait()
 
 
 @pytest.mark.netns
@@ -79,18 +89,10 @@ def test_a_message_after_the_link_idled_moves_at_its_rate(testbed_factory, tmp_p
     bed = testbed_factory(2, "50mbit")
     a, b = bed.hosts[0], bed.hosts[1]
     nbytes = 65_536
-    server = subprocess.Popen(
-        bed.command(a, [sys.executable, str(STREAM), "serve", a.addr, "5202", str(nbytes)]),
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert server.stdout.readline().strip() == "listening"
+    with listening(bed, "serve", 5202, nbytes):
         ask = [sys.executable, str(STREAM), "ask", a.addr, "5202", str(nbytes), "5"]
         asked = subprocess.run(bed.command(b, ask), capture_output=True, text=True, timeout=120)
-        assert asked.returncode == 0, asked.stderr
-    finally:
-        server.kill()
-        server.wait()
+    assert asked.returncode == 0, asked.stderr
     # The shortest of 5 waits: a busy core only ever lengthens one.
     at_rate = nbytes / line_rate_bytes(bed.rate_bits)
     assert float(asked.stdout) >= 0.8 * at_rate, (float(asked.stdout), at_rate)
