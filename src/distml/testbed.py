@@ -104,6 +104,8 @@ class Testbed:
         if not 1 <= hosts <= 250:
             raise ValueError(f"hosts must be 1..250, got {hosts}")
         self.rate_bits = None if rate is None else rate_bits(rate)
+        # The bucket of a link faster than PACED_BITS, in seconds of its rate; slower links send
+        # frame by frame through a bucket of PACED_BURST_S (see shape).
         self.burst_s = burst_s
         # The longest a packet may wait in a link's queue (tc's latency). A deep queue
         # (bufferbloat) stalls collectives that send in chunks and wait on each, while one TCP

@@ -82,7 +82,7 @@ def test_a_shaped_link_carries_its_rate(testbed_factory, tmp_path, rate, seconds
 
 @pytest.mark.netns
 @pytest.mark.distributed
-def test_a_message_after_the_link_idled_moves_at_its_rate(testbed_factory, tmp_path):
+def test_a_message_after_the_link_idled_moves_at_its_rate(testbed_factory):
     """A link of 50 Mbit/s serializes every frame at its rate, idle or not: a 64 KB answer after
     the link idled takes its bytes at the rate. (With the 4 ms bucket the testbed once had,
     25 KB of it passed at once, and it came in two thirds of that time.)"""
