@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import ipaddress
 import multiprocessing.util
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -233,10 +235,44 @@ class StartsAProcess(RuntimeError):
     """A test that is not marked ``distributed`` tried to start a process."""
 
 
+@contextlib.contextmanager
+def _turn(alone: bool) -> Iterator[None]:
+    """Under pytest-xdist, a test's turn beside the other workers' tests: one that must run
+    ``alone`` waits for those running to end, and no other starts until it ends. A lock that
+    all the run's workers open (flock's shared and exclusive modes), behind a gate that a test
+    waiting for its turn alone holds, so that the others' tests cannot keep it waiting."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # one process: every test runs alone
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"distml-tests-{run}"
+    with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            # Unlocked here, not only when closed: a process the test forked holds the files too.
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """Hold the ``distributed`` marker true: a test without it (fixtures included) may start no
-    process, so that ``pytest -m "not distributed"`` stays the fast loop of in-process tests."""
+    """Run each test in its turn (:func:`_turn`): ``alone`` where it measures the machine's speed
+    or, marked ``netns``, builds network namespaces, which are the machine's; and hold the
+    ``distributed`` marker true: a test without it (fixtures included) may start no process,
+    so that ``pytest -m "not distributed"`` stays the fast loop of in-process tests."""
+    alone = any(item.get_closest_marker(name) for name in ("alone", "netns"))
+    with _turn(alone):
+        yield from _guarded(item)
+
+
+def _guarded(item: pytest.Item) -> Iterator[None]:
     if item.get_closest_marker("distributed"):
         yield
         return

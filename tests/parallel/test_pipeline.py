@@ -65,6 +65,7 @@ def measure_bubble(tmp_path, microbatches: int) -> dict:
     )
 
 
+@pytest.mark.alone
 @pytest.mark.distributed
 def test_measured_bubble_follows_the_formula(tmp_path):
     """Idle share (p-1)/(m+p-1): 1/3 with 2 micro-batches, 1/9 with 8.
