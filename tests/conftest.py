@@ -235,18 +235,32 @@ class StartsAProcess(RuntimeError):
     """A test that is not marked ``distributed`` tried to start a process."""
 
 
+TURNS = "DISTML_TEST_TURNS"  # the folder of the lock below, which pytest-xdist's workers share
+_turns = pytest.StashKey[tempfile.TemporaryDirectory]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the process that starts pytest-xdist's workers
+        config.stash[_turns] = tempfile.TemporaryDirectory(prefix="distml-tests-")
+        os.environ[TURNS] = config.stash[_turns].name  # the workers inherit it
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _turns in config.stash:
+        config.stash[_turns].cleanup()
+
+
 @contextlib.contextmanager
 def _turn(alone: bool) -> Iterator[None]:
     """Under pytest-xdist, a test's turn beside the other workers' tests: one that must run
     ``alone`` waits for those running to end, and no other starts until it ends. A lock that
     all the run's workers open (flock's shared and exclusive modes), behind a gate that a test
     waiting for its turn alone holds, so that the others' tests cannot keep it waiting."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:  # one process: every test runs alone
+    folder = os.environ.get(TURNS)
+    if folder is None or "PYTEST_XDIST_WORKER" not in os.environ:  # one process: all alone
         yield
         return
-    base = Path(tempfile.gettempdir()) / f"distml-tests-{run}"
-    with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as lock:
+    with open(f"{folder}/gate", "a") as gate, open(f"{folder}/lock", "a") as lock:
         fcntl.flock(gate, fcntl.LOCK_EX)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
