@@ -30,6 +30,11 @@ between layouts of the same arithmetic): the first two steps as they took, the r
 steady step. Since the loss per step does not depend on the link, ``--reuse`` takes the curves
 (and the rates not measured again) from the last results file, to remeasure some rates alone.
 
+The planner's step at each slower rate is predicted from the fastest rate's, and its error
+given twice: the median step against the prediction from the median fastest-rate step, and
+paired, each run against the prediction from its own repeat's fastest-rate step (the median
+of those errors), which a drift of the machine's speed between repeats does not move.
+
 Two choices are set against the best measured time to target at each rate: the planner's with
 the measured loss curves (``distml.plan.sync.choose``), and ``distml run --strategy auto``'s,
 from the cluster files ``distml bench --nnodes 2`` wrote on that link (each figure the
@@ -140,6 +145,7 @@ def _medians(runs: list[dict[str, Any]], curve, target: float) -> dict[str, Any]
         "samples_per_s": GLOBAL_BATCH / median["step_s"],
         "samples_per_s_range": [min(rates), max(rates)],
         "repeats": len(runs),
+        "step_s_by_repeat": [r["step_s"] for r in runs],
         "steps_to_target": reached,
         "time_to_target_s": ttt,
     }
@@ -389,28 +395,45 @@ def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) ->
     base = rates[0]
     clusters = results.get("clusters", {})
     links = {r: bandwidths(clusters, r, shard, boundary / MICROBATCHES) for r in rates}
-    rows, errors = [], []
+    rows, errors, paired_errors = [], [], []
     for name in names:
         wire = wire_bytes_by_collective(SYNCS[name], shapes, 2, steps=10**6, gloo=True,
                                         boundary_activation_bytes=boundary)  # fmt: skip
+
+        def predict(base_s: float, rate: str, name: str = name, wire=wire) -> float:
+            if name == "pipeline":
+                return pipeline_step_seconds(base_s, 2, MICROBATCHES, boundary / MICROBATCHES,
+                                             links[base], links[rate])  # fmt: skip
+            return step_seconds(base_s, wire, links[base], links[rate])
+
         cells = [name]
         for rate in rates:
-            measured = results["rates"][rate][name]["step_s"]
-            base_s = results["rates"][base][name]["step_s"]
-            if name == "pipeline":
-                predicted = pipeline_step_seconds(base_s, 2, MICROBATCHES, boundary / MICROBATCHES,
-                                                  links[base], links[rate])  # fmt: skip
-            else:
-                predicted = step_seconds(base_s, wire, links[base], links[rate])
-            results["rates"][rate][name]["predicted_step_s"] = predicted
-            error = measured / predicted - 1  # samples/s: predicted over measured, minus 1
+            here, fast = results["rates"][rate][name], results["rates"][base][name]
+            predicted = predict(fast["step_s"], rate)
+            here["predicted_step_s"] = predicted
+            error = here["step_s"] / predicted - 1  # samples/s: predicted over measured, minus 1
+            cell = f"{GLOBAL_BATCH / predicted:.1f} ({error:+.0%}"
+            # Each repeat timed the fast link's step minutes from the slower ones: each run
+            # predicted from its own repeat's, the median of those errors.
+            runs, fast_runs = here.get("step_s_by_repeat"), fast.get("step_s_by_repeat")
+            if runs and fast_runs and len(runs) == len(fast_runs):
+                paired = statistics.median(
+                    m / predict(b, rate) - 1 for b, m in zip(fast_runs, runs, strict=True)
+                )
+                here["paired_error"] = paired
+                cell += f"; paired {paired:+.0%}"
+                if rate != base:
+                    paired_errors.append(abs(paired))
             if rate != base:
                 errors.append(abs(error))
-            cells.append(f"{GLOBAL_BATCH / predicted:.1f} ({error:+.0%})")
+            cells.append(cell + ")")
         rows.append(cells)
+    largest_paired = (
+        f"; paired within the repeats {max(paired_errors):.0%}" if paired_errors else ""
+    )
     print_table(
         f"predicted samples/s from the {base} step (error of the prediction); "
-        f"largest error {max(errors, default=0):.0%}",
+        f"largest error {max(errors, default=0):.0%}{largest_paired}",
         ["strategy", *rates],
         rows,
     )
