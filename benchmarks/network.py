@@ -395,21 +395,25 @@ def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) ->
     base = rates[0]
     clusters = results.get("clusters", {})
     links = {r: bandwidths(clusters, r, shard, boundary / MICROBATCHES) for r in rates}
+    wire = {
+        n: wire_bytes_by_collective(SYNCS[n], shapes, 2, steps=10**6, gloo=True)
+        for n in names
+        if n != "pipeline"  # predicted from its schedule below
+    }
+
+    def predict(name: str, base_s: float, rate: str) -> float:
+        """``name``'s step at ``rate`` from ``base_s``, its step at the fastest rate."""
+        if name == "pipeline":
+            return pipeline_step_seconds(base_s, 2, MICROBATCHES, boundary / MICROBATCHES,
+                                         links[base], links[rate])  # fmt: skip
+        return step_seconds(base_s, wire[name], links[base], links[rate])
+
     rows, errors, paired_errors = [], [], []
     for name in names:
-        wire = wire_bytes_by_collective(SYNCS[name], shapes, 2, steps=10**6, gloo=True,
-                                        boundary_activation_bytes=boundary)  # fmt: skip
-
-        def predict(base_s: float, rate: str, name: str = name, wire=wire) -> float:
-            if name == "pipeline":
-                return pipeline_step_seconds(base_s, 2, MICROBATCHES, boundary / MICROBATCHES,
-                                             links[base], links[rate])  # fmt: skip
-            return step_seconds(base_s, wire, links[base], links[rate])
-
         cells = [name]
         for rate in rates:
             here, fast = results["rates"][rate][name], results["rates"][base][name]
-            predicted = predict(fast["step_s"], rate)
+            predicted = predict(name, fast["step_s"], rate)
             here["predicted_step_s"] = predicted
             error = here["step_s"] / predicted - 1  # samples/s: predicted over measured, minus 1
             cell = f"{GLOBAL_BATCH / predicted:.1f} ({error:+.0%}"
@@ -418,7 +422,7 @@ def _predictions(results: dict[str, Any], names: list[str], rates: list[str]) ->
             runs, fast_runs = here.get("step_s_by_repeat"), fast.get("step_s_by_repeat")
             if runs and fast_runs and len(runs) == len(fast_runs):
                 paired = statistics.median(
-                    m / predict(b, rate) - 1 for b, m in zip(fast_runs, runs, strict=True)
+                    m / predict(name, b, rate) - 1 for b, m in zip(fast_runs, runs, strict=True)
                 )
                 here["paired_error"] = paired
                 cell += f"; paired {paired:+.0%}"
